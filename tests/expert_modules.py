@@ -1,0 +1,99 @@
+"""Small expert modules built from torchtitan's own MoE pieces, with inputs, for the tests."""
+
+import torch
+import torch.nn as nn
+from torchtitan.models.moe.moe import (
+    FeedForward,
+    GroupedExperts,
+    _run_experts_for_loop,
+    _run_experts_grouped_mm,
+)
+
+from torchtitan_fp8_moe.models.grouped_shared import GroupedSharedExpert
+from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
+
+DIM, HIDDEN, TOKENS = 32, 64, 48
+
+
+class RoutedExperts(nn.Module):
+    """torchtitan's GroupedExperts run through torchtitan's grouped-mm or for-loop expert code
+    (the grouped path without the token-padding wrapper, whose index kernel is CUDA-only)."""
+
+    def __init__(self, num_experts: int, grouped: bool):
+        super().__init__()
+        self.experts = GroupedExperts(DIM, HIDDEN, num_experts, use_grouped_mm=grouped)
+        self.run = _run_experts_grouped_mm if grouped else _run_experts_for_loop
+
+    def forward(self, x, tokens_per_expert):
+        e = self.experts
+        return self.run(e.w1, e.w2, e.w3, x, tokens_per_expert)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, grouped: bool):
+        super().__init__()
+        self.expert = GroupedSharedExpert(DIM, HIDDEN) if grouped else FeedForward(DIM, HIDDEN)
+
+    def forward(self, x):
+        return self.expert(x)
+
+
+def build_expert_module(kind: str, dim0: int, seed: int = 0) -> nn.Module:
+    """kind: routed | for_loop (dim0 experts) | grouped_shared | linear_shared."""
+    torch.manual_seed(seed)
+    if kind in ("routed", "for_loop"):
+        module = RoutedExperts(dim0, grouped=kind == "routed")
+    else:
+        module = SharedExpert(grouped=kind == "grouped_shared")
+    with torch.no_grad():  # as torchtitan's trainer initializes
+        for _, expert in expert_modules(module):
+            expert.init_weights(0.02)
+    return module
+
+
+def convert_to_float8_moe(module: nn.Module) -> nn.Module:
+    for _, expert in expert_modules(module):
+        swap_expert_weights(expert, emulate=True)
+    return module
+
+
+def tokens_per_expert(num_experts: int, tokens: int = TOKENS) -> torch.Tensor:
+    """A fixed uneven split with an empty expert whenever there are 3 or more."""
+    counts = [tokens // num_experts] * num_experts
+    counts[-1] += tokens - sum(counts)
+    if num_experts >= 3:
+        counts[-1] += counts[1]
+        counts[1] = 0
+    return torch.tensor(counts, dtype=torch.int64)
+
+
+def expert_inputs(kind: str, dim0: int, step: int):
+    """(x, routing args, loss weights), the same on every rank."""
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(TOKENS, DIM, generator=gen)
+    target = torch.randn(TOKENS, DIM, generator=gen)
+    routing = (tokens_per_expert(dim0),) if kind in ("routed", "for_loop") else ()
+    return x, routing, target
+
+
+_COMBOS = [(True, "bfloat16"), (False, "float32"), (True, "float32"), (False, "bfloat16")]
+
+
+def _case(kind, dim0, combo):
+    reshard, dtype = combo
+    return {
+        "name": f"{kind}-dim0={dim0}-reshard={reshard}-{dtype}",
+        "kind": kind,
+        "dim0": dim0,
+        "reshard_after_forward": reshard,
+        "param_dtype": dtype,
+    }
+
+
+def fsdp_cases(world_size: int) -> list[dict]:
+    """Every uneven kind at every world size: dim0 < world, dim0 % world != 0, and even."""
+    cases = [_case("routed", d, _COMBOS[i % 4]) for i, d in enumerate([1, 2, 3, 5, 8, 16])]
+    cases += [_case("grouped_shared", 1, combo) for combo in _COMBOS]
+    cases += [_case("linear_shared", HIDDEN, combo) for combo in _COMBOS[:2]]
+    cases += [_case("for_loop", 3, combo) for combo in _COMBOS[2:]]
+    return cases

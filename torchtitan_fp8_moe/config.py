@@ -1,0 +1,29 @@
+"""The `[float8_moe]` config section. Point torchtitan at it with
+`job.custom_config_module = "torchtitan_fp8_moe.config"` (TOML) or
+`--job.custom_config_module=torchtitan_fp8_moe.config` (CLI); importing it also registers the
+`float8_moe` converter."""
+
+from dataclasses import dataclass, field
+
+SUPPORTED_RECIPES = ("rowwise",)
+
+
+@dataclass
+class Float8MoE:
+    recipe: str = "rowwise"
+    """fp8 scaling recipe. Only "rowwise" (per-row power-of-2 scales, float8_e4m3fn)."""
+
+    fqns: list[str] = field(default_factory=lambda: ["experts", "shared_expert"])
+    """Module FQN substrings whose expert weights are converted: grouped-experts modules
+    (3D w1/w2/w3) and FeedForward modules (nn.Linear w1/w2/w3). The defaults match Llama4's
+    routed `moe.experts` and its shared expert (`moe.shared_experts` or `moe.shared_expert`)."""
+
+    emulate: bool = False
+    """Run fp8 numerics with an emulated matmul (quantize, dequantize, fp32 matmul) instead of
+    fp8 kernels. Always on when no CUDA device is present; for GPUs without fp8 (before sm89)
+    set it to true explicitly."""
+
+
+@dataclass
+class JobConfig:
+    float8_moe: Float8MoE = field(default_factory=Float8MoE)

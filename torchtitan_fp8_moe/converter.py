@@ -1,0 +1,109 @@
+"""The `float8_moe` model converter: picks the expert modules, swaps their weights for
+`Float8MoEWeight`, and plans each weight's FSDP shards before torchtitan calls `fully_shard`."""
+
+import torch
+import torch.nn as nn
+from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+from torchtitan.protocols.model_converter import register_model_converter
+from torchtitan.tools.logging import logger
+
+from .config import SUPPORTED_RECIPES, Float8MoE
+from .sharding import ShardPlanRow, format_plan, plan_weight
+from .swap import expert_modules, is_grouped_experts, swap_expert_weights
+from .weight import fp8_kernels_available
+
+# fp8 tensor-core GEMMs need 16-element multiples: on K and N of every weight, and on the
+# token groups of the routed experts, which torchtitan pads to this alignment.
+_FP8_ALIGNMENT = 16
+
+
+class Float8MoEConverter:
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
+        config: Float8MoE | None = getattr(job_config, "float8_moe", None)
+        if config is None:
+            raise ValueError(
+                "float8_moe: the job config has no [float8_moe] section; set "
+                'job.custom_config_module = "torchtitan_fp8_moe.config"'
+            )
+        if config.recipe not in SUPPORTED_RECIPES:
+            raise ValueError(
+                f"float8_moe: recipe {config.recipe!r} is not supported; "
+                f"use one of {list(SUPPORTED_RECIPES)}"
+            )
+        if not config.fqns:
+            raise ValueError("float8_moe: fqns is empty; name the expert modules to convert")
+        self.fqns = list(config.fqns)
+        self.parallel_dims = parallel_dims
+        self.all_gather_dtype = (
+            TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+            if parallel_dims.fsdp_enabled
+            else None
+        )
+        self.emulate = config.emulate or not torch.cuda.is_available()
+        if self.emulate:
+            self.path = "emulated"
+            self.path_reason = "emulate = true" if config.emulate else "no CUDA device"
+        elif fp8_kernels_available(torch.device("cuda", torch.cuda.current_device())):
+            self.path = "cuda"
+            self.path_reason = "fp8 tensor cores"
+            set_token_group_alignment_size_m(_FP8_ALIGNMENT)
+        else:
+            raise ValueError(
+                "float8_moe: this GPU has no fp8 tensor cores (they need sm89+); set "
+                "`[float8_moe] emulate = true` to train with emulated fp8 numerics"
+            )
+        self.shard_plan: list[ShardPlanRow] = []
+
+    def convert(self, model: nn.Module) -> None:
+        candidates = expert_modules(model)
+        targets = [(fqn, m) for fqn, m in candidates if any(p in fqn for p in self.fqns)]
+        if not targets:
+            raise ValueError(
+                f"float8_moe: fqns {self.fqns} match none of the model's expert modules "
+                f"{[fqn for fqn, _ in candidates]}; set float8_moe.fqns to substrings of those"
+            )
+        for module_fqn, module in targets:
+            is_routed = is_grouped_experts(module) and module_fqn.split(".")[-1] == "experts"
+            for name, param in swap_expert_weights(module, self.emulate):
+                fqn = f"{module_fqn}.{name}"
+                self._check_shape(fqn, param)
+                self.shard_plan.append(self._plan(fqn, param, is_routed))
+        logger.info(
+            f"float8_moe: converted {len(self.shard_plan)} expert weights of "
+            f"{len(targets)} modules to fp8 rowwise, {self.path} path ({self.path_reason}); "
+            "FSDP shard plan:\n"
+            + format_plan(self.shard_plan)
+        )
+
+    def _check_shape(self, fqn: str, param: torch.Tensor) -> None:
+        if self.emulate:
+            return
+        k, n = param.shape[-1], param.shape[-2]
+        if k % _FP8_ALIGNMENT or n % _FP8_ALIGNMENT:
+            raise ValueError(
+                f"float8_moe: {fqn} has shape {list(param.shape)}; fp8 kernels need both matrix "
+                f"dims to be multiples of {_FP8_ALIGNMENT}. Leave it out of float8_moe.fqns."
+            )
+
+    def _plan(self, fqn: str, param: torch.Tensor, is_routed: bool) -> ShardPlanRow:
+        dims = self.parallel_dims
+        shape = list(param.shape)
+        shard_dim = 0
+        degree = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+        if is_routed and dims.ep_enabled:
+            # Routed experts: EP splits the experts, FSDP shards them over the rest (efsdp),
+            # on dim 1 when that leaves fewer experts than FSDP ranks (torchtitan's rule).
+            degree = dims.dp_shard * dims.cp * dims.tp // (dims.etp * dims.ep)
+            if degree * dims.ep > shape[0]:
+                shard_dim = 1
+            shape[0] //= dims.ep
+        itemsize = (self.all_gather_dtype or param.dtype).itemsize
+        return plan_weight(fqn, tuple(shape), degree, shard_dim, itemsize, self.path)
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        pass
+
+
+register_model_converter(Float8MoEConverter, "float8_moe")

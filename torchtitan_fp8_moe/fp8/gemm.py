@@ -1,0 +1,109 @@
+"""GEMMs on quantized operands: real fp8 kernels on CUDA, an exact emulation elsewhere.
+
+Every function takes fp8 data with fp32 multipliers from ``quantize.py`` and returns
+``sum_k dequant(a)[m, k] * dequant(b)[k, n]``. The emulated path dequantizes (exact, the scales
+are powers of two) and multiplies in fp32, so it checks the same numerics as the CUDA kernels up
+to fp32 accumulation order.
+
+Grouped shapes follow ``torch._grouped_mm``: ``offs`` holds the int32 end offset of each group
+along the token dimension M. Rows past the last offset belong to no group and come out as zeros.
+"""
+
+import torch
+
+from .quantize import FP8_DTYPE, dequantize, quantize_rowwise
+
+
+def group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each token group; reads the offsets on the host."""
+    ends = offs.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def quantize_per_group_along_tokens(
+    x: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 data of a 2D ``[M, C]`` tensor with one scale per (group, column), over the group's
+    tokens: the rowwise rule for the weight-gradient GEMM, which contracts over tokens.
+    Scales have shape ``[G, C]``; an empty group gets scale 1."""
+    data = torch.zeros_like(x, dtype=FP8_DTYPE)
+    scales = x.new_ones((offs.numel(), x.shape[1]), dtype=torch.float32)
+    for group, (start, end) in enumerate(group_bounds(offs)):
+        if end > start:
+            data[start:end], group_scale = quantize_rowwise(x[start:end], dim=0)
+            scales[group] = group_scale.squeeze(0)
+    return data, scales
+
+
+def _column_major(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_cuda_kernels: bool,
+) -> torch.Tensor:
+    """``a [M, K]`` (scales ``[M, 1]``) times ``b [G, K, N]`` (scales ``[G, 1, N]``) per group."""
+    if use_cuda_kernels:
+        if b.shape[0] == 1:
+            # One group is a plain GEMM; _scaled_mm is faster than the grouped kernel for it.
+            return torch._scaled_mm(
+                a,
+                _column_major(b[0]),
+                scale_a=a_scale.reciprocal(),
+                scale_b=b_scale[0].reciprocal(),
+                out_dtype=out_dtype,
+                use_fast_accum=True,
+            )
+        return torch._scaled_grouped_mm(
+            a,
+            _column_major(b),
+            a_scale.reciprocal().squeeze(-1),
+            b_scale.reciprocal().squeeze(-2),
+            offs=offs,
+            out_dtype=out_dtype,
+            use_fast_accum=True,
+        )
+    a_hp = dequantize(a, a_scale)
+    b_hp = dequantize(b, b_scale)
+    out = a_hp.new_zeros((a.shape[0], b.shape[-1]))
+    for group, (start, end) in enumerate(group_bounds(offs)):
+        if end > start:
+            out[start:end] = a_hp[start:end] @ b_hp[group]
+    return out.to(out_dtype)
+
+
+def grouped_wgrad_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_cuda_kernels: bool,
+) -> torch.Tensor:
+    """Per group ``a_g^T @ grad_g``: ``a [M, K]`` and ``grad [M, N]`` with per-group scales
+    ``[G, K]`` and ``[G, N]`` from ``quantize_per_group_along_tokens``; returns ``[G, K, N]``."""
+    if use_cuda_kernels:
+        return torch._scaled_grouped_mm(
+            a.t().contiguous(),
+            _column_major(grad),
+            a_scale.reciprocal().reshape(-1),
+            grad_scale.reciprocal().reshape(-1),
+            offs=offs,
+            out_dtype=out_dtype,
+            use_fast_accum=True,
+        )
+    out = a.new_zeros((offs.numel(), a.shape[1], grad.shape[1]), dtype=torch.float32)
+    for group, (start, end) in enumerate(group_bounds(offs)):
+        if end > start:
+            a_hp = dequantize(a[start:end], a_scale[group])
+            grad_hp = dequantize(grad[start:end], grad_scale[group])
+            out[group] = a_hp.t() @ grad_hp
+    return out.to(out_dtype)
+

@@ -1,0 +1,73 @@
+"""Differentiable fp8 rowwise grouped matmul, and the three call forms built on it.
+
+All of forward, input gradient and weight gradient are fp8 GEMMs with rowwise scales along their
+contraction dimension:
+
+    out    [M, N] = a [M, K] @ b[g] [K, N]        scales: a per token, b per (g, n)
+    grad_a [M, K] = grad [M, N] @ b[g]^T [N, K]   scales: grad per token, b per (g, k)
+    grad_b[g] [K, N] = a_g^T @ grad_g             scales: per (g, k) and (g, n) over g's tokens
+
+A 3D x 3D batched matmul is the same thing with one group per batch entry, and a 2D matmul with a
+2D weight is one group; so every expert, routed or shared, grouped or linear, has the same numerics.
+"""
+
+import torch
+
+from . import gemm
+from .quantize import quantize_rowwise
+
+
+class _Fp8RowwiseGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, offs, use_cuda_kernels: bool):
+        a_fp8, a_scale = quantize_rowwise(a, dim=-1)
+        b_fp8, b_scale = quantize_rowwise(b, dim=-2)
+        ctx.save_for_backward(a, b, offs)
+        ctx.use_cuda_kernels = use_cuda_kernels
+        return gemm.grouped_mm(
+            a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, use_cuda_kernels
+        )
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b, offs = ctx.saved_tensors
+        cuda = ctx.use_cuda_kernels
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_fp8, grad_scale = quantize_rowwise(grad_out, dim=-1)
+            b_t_fp8, b_t_scale = quantize_rowwise(b.transpose(-2, -1), dim=-2)
+            grad_a = gemm.grouped_mm(
+                grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, a.dtype, cuda
+            )
+        if ctx.needs_input_grad[1]:
+            a_fp8, a_scales = gemm.quantize_per_group_along_tokens(a, offs)
+            grad_fp8, grad_scales = gemm.quantize_per_group_along_tokens(grad_out, offs)
+            grad_b = gemm.grouped_wgrad_mm(
+                a_fp8, a_scales, grad_fp8, grad_scales, offs, b.dtype, cuda
+            )
+        return grad_a, grad_b, None, None
+
+
+def fp8_grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, use_cuda_kernels: bool
+) -> torch.Tensor:
+    """``torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)`` in fp8 rowwise."""
+    return _Fp8RowwiseGroupedMM.apply(a, b, offs, use_cuda_kernels)
+
+
+def fp8_batched_mm(
+    a: torch.Tensor, b: torch.Tensor, use_cuda_kernels: bool
+) -> torch.Tensor:
+    """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8 rowwise."""
+    groups, tokens, _ = a.shape
+    offs = torch.arange(1, groups + 1, device=a.device, dtype=torch.int32) * tokens
+    out = fp8_grouped_mm(a.reshape(groups * tokens, -1), b, offs, use_cuda_kernels)
+    return out.view(groups, tokens, -1)
+
+
+def fp8_matmul(a: torch.Tensor, b: torch.Tensor, use_cuda_kernels: bool) -> torch.Tensor:
+    """``a [..., K] @ b [K, N]`` in fp8 rowwise (a linear layer's ``x @ W^T`` has b = W^T)."""
+    a_2d = a.reshape(-1, a.shape[-1])
+    offs = torch.full((1,), a_2d.shape[0], device=a.device, dtype=torch.int32)
+    out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, use_cuda_kernels)
+    return out.view(*a.shape[:-1], b.shape[-1])

@@ -1,0 +1,52 @@
+"""Which modules hold expert weights, and swapping their weights for `Float8MoEWeight`."""
+
+import torch.nn as nn
+
+from .weight import Float8MoEWeight
+
+_PROJECTIONS = ("w1", "w2", "w3")
+
+
+def is_grouped_experts(module: nn.Module) -> bool:
+    """A grouped-experts module: 3D parameters w1/w2/w3 (``[E, H, D]``, ``[E, D, H]``, ``[E, H, D]``)."""
+    return all(
+        isinstance(getattr(module, name, None), nn.Parameter)
+        and getattr(module, name).ndim == 3
+        for name in _PROJECTIONS
+    )
+
+
+def is_feed_forward(module: nn.Module) -> bool:
+    """A SwiGLU feed-forward: ``nn.Linear`` children w1/w2/w3."""
+    return all(isinstance(getattr(module, name, None), nn.Linear) for name in _PROJECTIONS)
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(FQN, module) of every grouped-experts or feed-forward module in ``model``."""
+    return [
+        (fqn, module)
+        for fqn, module in model.named_modules()
+        if is_grouped_experts(module) or is_feed_forward(module)
+    ]
+
+
+def swap_expert_weights(module: nn.Module, emulate: bool) -> list[tuple[str, nn.Parameter]]:
+    """Wrap the w1/w2/w3 weights of an expert module in place; returns (name, new parameter)
+    with names relative to ``module`` (``w1`` for grouped experts, ``w1.weight`` for linears)."""
+    if is_grouped_experts(module):
+        owners = [(name, module, name) for name in _PROJECTIONS]
+    elif is_feed_forward(module):
+        owners = [(f"{name}.weight", getattr(module, name), "weight") for name in _PROJECTIONS]
+    else:
+        raise TypeError(f"float8_moe: {type(module).__name__} is not an expert module")
+    swapped = []
+    for name, owner, attr in owners:
+        param = getattr(owner, attr)
+        if isinstance(param, Float8MoEWeight):
+            raise ValueError(f"float8_moe: {name} of {type(module).__name__} is already converted")
+        new_param = nn.Parameter(
+            Float8MoEWeight(param.data, emulate), requires_grad=param.requires_grad
+        )
+        setattr(owner, attr, new_param)
+        swapped.append((name, new_param))
+    return swapped
