@@ -136,7 +136,62 @@ def suite_torchao_seed(mesh) -> dict:
     return {"trained": True}
 
 
-SUITES = {"fsdp": suite_fsdp, "torchao_seed": suite_torchao_seed}
+def suite_llama4(mesh) -> dict:
+    """A 2-layer Llama4 debug model through the real converter and torchtitan's own apply_fsdp:
+    the converter's shard plan must match what each weight pads to at all-gather time, and the
+    model must train a step."""
+    from dataclasses import replace
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama4.infra.parallelize import apply_fsdp
+    from torchtitan.protocols.model_converter import build_model_converters
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_fp8_moe import cpu
+
+    cpu.select_cpu_device()
+    cpu.enable_moe_ops()
+    world = dist.get_world_size()
+    job_config = ConfigManager().parse_args([
+        "--job.custom_config_module=torchtitan_fp8_moe.config",
+        "--model.converters=float8_moe",
+    ])
+    spec = get_train_spec("llama4")
+    model_args = replace(spec.model_args["debugmodel"], n_layers=2)
+    model_args.update_from_config(job_config)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    parallel_dims = ParallelDims(
+        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world
+    )
+    converters = build_model_converters(job_config, parallel_dims)
+    converters.convert(model)
+    (converter,) = converters.converters
+    apply_fsdp(model, parallel_dims.get_mesh("fsdp"), torch.bfloat16, torch.float32, pp_enabled=False)
+    cpu.use_sum_reductions(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    plan = {}
+    for row in converter.shard_plan:
+        param = model.get_parameter(row.fqn)
+        (padded,), _ = param.to_local().fsdp_pre_all_gather(
+            parallel_dims.get_mesh("fsdp"), param.shape, None, model,
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        )
+        plan[row.fqn] = {"plan_rows": row.rows_per_rank, "all_gather_rows": padded.shape[0],
+                         "wrapped": type(param.to_local()).__name__}
+    tokens = torch.randint(0, model_args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens).float().logsumexp(-1).mean()
+    loss.backward()
+    grads_finite = all(
+        bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters() if p.grad is not None
+    )
+    return {"plan": plan, "loss": loss.item(), "grads_finite": grads_finite}
+
+
+SUITES = {"fsdp": suite_fsdp, "torchao_seed": suite_torchao_seed, "llama4": suite_llama4}
 
 
 def main() -> None:

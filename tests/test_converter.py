@@ -1,0 +1,130 @@
+"""The float8_moe converter through torchtitan's own ConfigManager, ParallelDims and Llama4."""
+
+import logging
+import textwrap
+from dataclasses import replace
+
+import pytest
+import torch
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.model_converter import build_model_converters
+from torchtitan.protocols.train_spec import get_train_spec
+
+from torchtitan_fp8_moe import Float8MoEConverter, Float8MoEWeight
+
+CUSTOM_CONFIG = "--job.custom_config_module=torchtitan_fp8_moe.config"
+
+
+def _parallel_dims(world_size=8, **degrees):
+    dims = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1)
+    dims.update(degrees)
+    return ParallelDims(**dims, world_size=world_size)
+
+
+def _convert(args: list[str], parallel_dims=None):
+    job_config = ConfigManager().parse_args(args)
+    model_args = replace(get_train_spec("llama4").model_args["debugmodel"], n_layers=4)
+    with torch.device("meta"):
+        model = get_train_spec("llama4").model_cls(model_args)
+    converters = build_model_converters(job_config, parallel_dims or _parallel_dims())
+    converters.convert(model)
+    return model, converters.converters
+
+
+def _converted_names(model):
+    return {n for n, p in model.named_parameters() if isinstance(p, Float8MoEWeight)}
+
+
+def _expected(layers, shared):
+    names = set()
+    for layer in layers:
+        names |= {f"layers.{layer}.moe.experts.w{i}" for i in (1, 2, 3)}
+        if shared:
+            names |= {f"layers.{layer}.moe.shared_experts.w{i}.weight" for i in (1, 2, 3)}
+    return names
+
+
+def test_toml_selects_converter_and_swaps_exactly_the_experts(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text(textwrap.dedent("""
+        [job]
+        custom_config_module = "torchtitan_fp8_moe.config"
+        [model]
+        name = "llama4"
+        flavor = "debugmodel"
+        converters = ["float8_moe"]
+        [float8_moe]
+        recipe = "rowwise"
+        fqns = ["experts", "shared_expert"]
+    """))
+    model, (converter,) = _convert([f"--job.config_file={toml}"])
+    assert isinstance(converter, Float8MoEConverter)
+    # Llama4 debugmodel: MoE on every second layer (1 and 3 of 4); nothing else is touched.
+    assert _converted_names(model) == _expected([1, 3], shared=True)
+    assert [row.fqn for row in converter.shard_plan] == sorted(_expected([1, 3], True), key=list(
+        n for n, _ in model.named_parameters()).index)
+
+
+def test_cli_override_selects_only_shared_expert():
+    model, (converter,) = _convert(
+        [CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns=shared_expert"]
+    )
+    assert converter.fqns == ["shared_expert"]
+    assert _converted_names(model) == {
+        f"layers.{layer}.moe.shared_experts.w{i}.weight" for layer in (1, 3) for i in (1, 2, 3)
+    }
+
+
+def test_bad_recipe_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"recipe 'tensorwise' is not supported.*rowwise"):
+        _convert([CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.recipe=tensorwise"])
+
+
+def test_unmatched_fqns_name_the_modules_looked_at():
+    with pytest.raises(ValueError, match=r"\['router'\] match none.*layers\.1\.moe\.experts"):
+        _convert([CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns=router"])
+
+
+def test_missing_config_section_is_a_clear_error():
+    with pytest.raises(ValueError, match="custom_config_module"):
+        _convert(["--model.converters=float8_moe"])
+
+
+def test_emulated_path_and_shard_plan_are_logged(caplog):
+    with caplog.at_level(logging.INFO):
+        model, (converter,) = _convert([CUSTOM_CONFIG, "--model.converters=float8_moe"])
+    assert all(p.emulate for p in model.parameters() if isinstance(p, Float8MoEWeight))
+    (message,) = [r.getMessage() for r in caplog.records if "float8_moe: converted" in r.getMessage()]
+    assert "converted 12 expert weights of 4 modules" in message
+    assert "emulated path (no CUDA device)" in message
+    assert "padding-only ranks" in message
+    assert "layers.3.moe.shared_experts.w2.weight  [256, 512]" in message
+
+
+def test_shard_plan_rows():
+    """8 ranks: routed [8, 512, 256] splits 1 row each; with EP=4 and FSDP 2 over the rest,
+    [2, ...] per EP rank; shared [512, 256] 64 rows."""
+    _, (converter,) = _convert([CUSTOM_CONFIG, "--model.converters=float8_moe"])
+    rows = {r.fqn: r for r in converter.shard_plan}
+    w1 = rows["layers.1.moe.experts.w1"]
+    assert (w1.fsdp_degree, w1.rows_per_rank, w1.padding_only_ranks, w1.padding_bytes) == (8, 1, 0, 0)
+    assert rows["layers.1.moe.shared_experts.w2.weight"].rows_per_rank == 32
+    _, (converter,) = _convert(
+        [CUSTOM_CONFIG, "--model.converters=float8_moe"], _parallel_dims(world_size=6)
+    )
+    w1 = {r.fqn: r for r in converter.shard_plan}["layers.1.moe.experts.w1"]
+    # 8 experts on 6 ranks: 2 rows each on ranks 0-3, ranks 4-5 only padding (4 zero rows).
+    assert (w1.rows_per_rank, w1.padding_only_ranks, w1.padding_bytes) == (2, 2, 4 * 512 * 256 * 2)
+
+
+def test_plan_matches_all_gather_padding_in_real_fsdp(dist_results):
+    """World size 3: the converter's plan equals what each weight pads to at all-gather."""
+    ranks = dist_results("llama4", 3)
+    for rank, result in enumerate(ranks):
+        assert "error" not in result, result.get("traceback")
+        assert len(result["plan"]) == 6  # one MoE layer of 2
+        for fqn, row in result["plan"].items():
+            assert row["plan_rows"] == row["all_gather_rows"], (rank, fqn, row)
+            assert row["wrapped"] == "Float8MoEWeight", (rank, fqn)
+        assert result["grads_finite"] and result["loss"] > 0
