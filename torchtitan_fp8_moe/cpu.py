@@ -11,6 +11,8 @@ fixes both for CPU tensors only; CUDA tensors take the original code unchanged.
 
 import functools
 import importlib
+import os
+import resource
 
 import torch
 from torchtitan.models.moe import utils as moe_utils
@@ -26,6 +28,7 @@ _DEVICE_GLOBALS = {
 }
 _original_histc = torch.histc
 _original_generate_permute_indices = moe_utils.generate_permute_indices
+_original_disable_division = None
 
 
 @functools.wraps(_original_histc)
@@ -76,3 +79,61 @@ def use_sum_reductions(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+class CpuMemoryMonitor:
+    """torchtitan's device memory monitor for the CPU: peak resident set size of the process."""
+
+    def __init__(self):
+        self.device_name = "cpu"
+        self.device_capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.device_capacity_gib = self.device_capacity / 2**30
+
+    def get_peak_stats(self):
+        from torchtitan.components.metrics import DeviceMemStats
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        pct = 100 * peak / self.device_capacity
+        return DeviceMemStats(peak / 2**30, pct, peak / 2**30, pct, 0, 0)
+
+    def reset_peak_stats(self):
+        pass  # the kernel's peak RSS cannot be reset
+
+
+def _set_pg_timeouts(timeout, parallel_dims) -> None:
+    """torchtitan's set_pg_timeouts without its CUDA barrier (gloo rejects ``device_ids``)."""
+    torch.distributed.barrier()
+    groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()]
+    for group in groups + [None]:
+        torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def _disable_fsdp_gradient_division_with_sums(model: torch.nn.Module) -> None:
+    _original_disable_division(model)
+    use_sum_reductions(model)
+
+
+def enable_cpu_training() -> None:
+    """Everything torchtitan 0.2.2's trainer needs to train Llama4 on CPU with gloo. Call it
+    after importing torchtitan and before building the Trainer; only on machines without CUDA."""
+    global _original_disable_division
+    if torch.cuda.is_available():
+        raise RuntimeError("float8_moe: CPU training mode on a machine with CUDA")
+    from torchtitan.components import metrics
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.llama4.infra import parallelize
+    from torchtitan.models.llama4.model import args
+
+    select_cpu_device()
+    enable_moe_ops()
+    metrics.build_device_memory_monitor = CpuMemoryMonitor
+    dist_utils.set_pg_timeouts = _set_pg_timeouts
+    _original_disable_division = parallelize.disable_fsdp_gradient_division
+    parallelize.disable_fsdp_gradient_division = _disable_fsdp_gradient_division_with_sums
+    # torch._grouped_mm runs on CPU: keep the experts on the grouped path the GPU takes.
+    args.has_cuda_capability = lambda major, minor: True
+    logger.info(
+        "running on CPU: gloo backend, emulated fp8, experts on the grouped-mm path; "
+        "memory is the process's peak RSS; FSDP reduces gradients with sums (gloo has no "
+        "PREMUL_SUM); process-group timeouts are set without a CUDA barrier"
+    )

@@ -1,6 +1,7 @@
 """Which modules hold expert weights, and swapping their weights for `Float8MoEWeight`."""
 
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .weight import Float8MoEWeight
 
@@ -49,4 +50,26 @@ def swap_expert_weights(module: nn.Module, emulate: bool) -> list[tuple[str, nn.
         )
         setattr(owner, attr, new_param)
         swapped.append((name, new_param))
+    module.register_state_dict_post_hook(_plain_state_dict)
     return swapped
+
+
+def _plain(tensor):
+    if isinstance(tensor, DTensor) and isinstance(tensor.to_local(), Float8MoEWeight):
+        return DTensor.from_local(
+            tensor.to_local()._data,
+            tensor.device_mesh,
+            tensor.placements,
+            run_check=False,
+            shape=tensor.shape,
+            stride=tensor.stride(),
+        )
+    return tensor._data if isinstance(tensor, Float8MoEWeight) else tensor
+
+
+def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """State dicts hold plain tensors that share storage with the weights, so checkpoints load
+    without this package and in-place loads (DCP) still land in the weights."""
+    for key, value in state_dict.items():
+        if key.startswith(prefix):
+            state_dict[key] = _plain(value)

@@ -1,0 +1,22 @@
+"""`python -m torchtitan_fp8_moe.train`: torchtitan's own trainer with this plugin loaded, and,
+on a machine without CUDA, the CPU adjustments of `cpu.py`. Arguments are torchtitan's."""
+
+import torch
+from torchtitan.tools.logging import init_logger
+
+import torchtitan_fp8_moe  # noqa: F401 - registers float8_moe and llama4_grouped_shared
+
+from . import cpu
+
+
+def run() -> None:
+    init_logger()
+    if not torch.cuda.is_available():
+        cpu.enable_cpu_training()
+    from torchtitan.train import Trainer, main
+
+    main(Trainer)
+
+
+if __name__ == "__main__":
+    run()
