@@ -11,28 +11,13 @@ along the token dimension M. Rows past the last offset belong to no group and co
 
 import torch
 
-from .quantize import FP8_DTYPE, dequantize, quantize_rowwise
+from .quantize import dequantize
 
 
 def group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
     """(start, end) of each token group; reads the offsets on the host."""
     ends = offs.tolist()
     return list(zip([0] + ends[:-1], ends))
-
-
-def quantize_per_group_along_tokens(
-    x: torch.Tensor, offs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 data of a 2D ``[M, C]`` tensor with one scale per (group, column), over the group's
-    tokens: the rowwise rule for the weight-gradient GEMM, which contracts over tokens.
-    Scales have shape ``[G, C]``; an empty group gets scale 1."""
-    data = torch.zeros_like(x, dtype=FP8_DTYPE)
-    scales = x.new_ones((offs.numel(), x.shape[1]), dtype=torch.float32)
-    for group, (start, end) in enumerate(group_bounds(offs)):
-        if end > start:
-            data[start:end], group_scale = quantize_rowwise(x[start:end], dim=0)
-            scales[group] = group_scale.squeeze(0)
-    return data, scales
 
 
 def _column_major(x: torch.Tensor) -> torch.Tensor:
@@ -52,23 +37,25 @@ def grouped_mm(
     if use_cuda_kernels:
         if b.shape[0] == 1:
             # One group is a plain GEMM; _scaled_mm is faster than the grouped kernel for it.
-            return torch._scaled_mm(
+            out = torch._scaled_mm(
                 a,
                 _column_major(b[0]),
                 scale_a=a_scale.reciprocal(),
                 scale_b=b_scale[0].reciprocal(),
-                out_dtype=out_dtype,
+                out_dtype=torch.bfloat16,
                 use_fast_accum=True,
             )
-        return torch._scaled_grouped_mm(
-            a,
-            _column_major(b),
-            a_scale.reciprocal().squeeze(-1),
-            b_scale.reciprocal().squeeze(-2),
-            offs=offs,
-            out_dtype=out_dtype,
-            use_fast_accum=True,
-        )
+        else:
+            out = torch._scaled_grouped_mm(
+                a,
+                _column_major(b),
+                a_scale.reciprocal().squeeze(-1),
+                b_scale.reciprocal().squeeze(-2),
+                offs=offs,
+                out_dtype=torch.bfloat16,
+                use_fast_accum=True,
+            )
+        return out.to(out_dtype)
     a_hp = dequantize(a, a_scale)
     b_hp = dequantize(b, b_scale)
     out = a_hp.new_zeros((a.shape[0], b.shape[-1]))
@@ -88,17 +75,30 @@ def grouped_wgrad_mm(
     use_cuda_kernels: bool,
 ) -> torch.Tensor:
     """Per group ``a_g^T @ grad_g``: ``a [M, K]`` and ``grad [M, N]`` with per-group scales
-    ``[G, K]`` and ``[G, N]`` from ``quantize_per_group_along_tokens``; returns ``[G, K, N]``."""
+    ``[G, K]`` and ``[G, N]`` over each group's tokens; returns ``[G, K, N]``."""
     if use_cuda_kernels:
-        return torch._scaled_grouped_mm(
-            a.t().contiguous(),
-            _column_major(grad),
-            a_scale.reciprocal().reshape(-1),
-            grad_scale.reciprocal().reshape(-1),
-            offs=offs,
-            out_dtype=out_dtype,
-            use_fast_accum=True,
-        )
+        # a^T must be row-major and grad column-major: both are when a and grad are
+        # column-major, as the Triton quantizer writes them.
+        if offs.numel() == 1:
+            out = torch._scaled_mm(
+                a.t(),
+                _column_major(grad),
+                scale_a=a_scale.reciprocal().view(-1, 1),
+                scale_b=grad_scale.reciprocal().view(1, -1),
+                out_dtype=torch.bfloat16,
+                use_fast_accum=True,
+            ).unsqueeze(0)
+        else:
+            out = torch._scaled_grouped_mm(
+                a.t(),
+                _column_major(grad),
+                a_scale.reciprocal().reshape(-1),
+                grad_scale.reciprocal().reshape(-1),
+                offs=offs,
+                out_dtype=torch.bfloat16,
+                use_fast_accum=True,
+            )
+        return out.to(out_dtype)
     out = a.new_zeros((offs.numel(), a.shape[1], grad.shape[1]), dtype=torch.float32)
     for group, (start, end) in enumerate(group_bounds(offs)):
         if end > start:

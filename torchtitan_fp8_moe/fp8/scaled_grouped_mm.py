@@ -13,15 +13,23 @@ A 3D x 3D batched matmul is the same thing with one group per batch entry, and a
 
 import torch
 
-from . import gemm
-from .quantize import quantize_rowwise
+from . import gemm, torch_quantize
+
+
+def _quantizer(use_cuda_kernels: bool):
+    if use_cuda_kernels:
+        from . import triton_quantize  # torchao's Triton kernels: CUDA only
+
+        return triton_quantize
+    return torch_quantize
 
 
 class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, offs, use_cuda_kernels: bool):
-        a_fp8, a_scale = quantize_rowwise(a, dim=-1)
-        b_fp8, b_scale = quantize_rowwise(b, dim=-2)
+        quantize = _quantizer(use_cuda_kernels)
+        a_fp8, a_scale = quantize.rows(a)
+        b_fp8, b_scale = quantize.weight(b)
         ctx.save_for_backward(a, b, offs)
         ctx.use_cuda_kernels = use_cuda_kernels
         return gemm.grouped_mm(
@@ -32,16 +40,16 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     def backward(ctx, grad_out):
         a, b, offs = ctx.saved_tensors
         cuda = ctx.use_cuda_kernels
+        quantize = _quantizer(cuda)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_fp8, grad_scale = quantize_rowwise(grad_out, dim=-1)
-            b_t_fp8, b_t_scale = quantize_rowwise(b.transpose(-2, -1), dim=-2)
+            grad_fp8, grad_scale = quantize.rows(grad_out)
+            b_t_fp8, b_t_scale = quantize.weight_transposed(b)
             grad_a = gemm.grouped_mm(
                 grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, a.dtype, cuda
             )
         if ctx.needs_input_grad[1]:
-            a_fp8, a_scales = gemm.quantize_per_group_along_tokens(a, offs)
-            grad_fp8, grad_scales = gemm.quantize_per_group_along_tokens(grad_out, offs)
+            a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(a, grad_out, offs)
             grad_b = gemm.grouped_wgrad_mm(
                 a_fp8, a_scales, grad_fp8, grad_scales, offs, b.dtype, cuda
             )

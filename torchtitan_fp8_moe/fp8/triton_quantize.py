@@ -1,0 +1,51 @@
+"""The quantization rules of ``quantize.py`` as torchao's fused Triton kernels (CUDA only).
+
+Same outputs as ``torch_quantize.py`` (fp8 data, fp32 power-of-2 multipliers), laid out the way
+the fp8 GEMMs want them: activations row-major, weights column-major per expert.
+"""
+
+import torch
+from torchao.prototype.moe_training.kernels import (
+    triton_fp8_colwise_3d_scale_and_cast,
+    triton_fp8_per_group_colwise_scales_dual,
+    triton_fp8_rowwise_2d_scale_and_cast,
+    triton_fp8_rowwise_3d_transpose_rhs,
+)
+
+from .quantize import FP8_DTYPE
+
+
+def _column_major(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[M, K]`` -> fp8 ``[M, K]``, scales ``[M, 1]`` (per row, over K)."""
+    return triton_fp8_rowwise_2d_scale_and_cast(
+        x.contiguous(), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
+    )
+
+
+def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[G, K, N]`` (column-major) -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K)."""
+    return triton_fp8_colwise_3d_scale_and_cast(
+        _column_major(b), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
+    )
+
+
+def weight_transposed(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[G, K, N]`` -> fp8 of ``b^T [G, N, K]``, scales ``[G, 1, K]`` (over N)."""
+    data, scales = triton_fp8_rowwise_3d_transpose_rhs(
+        _column_major(b), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
+    )
+    return data, scales.view(b.shape[0], 1, b.shape[1])
+
+
+def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
+    """Per-group scales over tokens for the weight-gradient GEMM: ``(a_fp8, a_scales [G, K],
+    grad_fp8, grad_scales [G, N])``, data column-major."""
+    grad_fp8, grad_scales, a_fp8, a_scales = triton_fp8_per_group_colwise_scales_dual(
+        grad.contiguous(), a.contiguous(), offs, FP8_DTYPE, round_scales_to_power_of_2=True
+    )
+    groups = offs.numel()
+    return a_fp8, a_scales.view(groups, -1), grad_fp8, grad_scales.view(groups, -1)
