@@ -154,11 +154,15 @@ def main() -> None:
                     round(torchao_ms / row["ms"], 3) if torchao_ms and row["ms"] else None
                 )
                 print(json.dumps(row), flush=True)
-    out = Path(args.out)
+            write_json(rows, args.out)  # after every case, so a cut-off run keeps its rows
+    print_table(rows)
+    plot(rows, Path(args.out).with_suffix(".png"))
+
+
+def write_json(rows, path: str) -> None:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1).replace("Infinity", '"inf"') + "\n")
-    print_table(rows)
-    plot(rows, out.with_suffix(".png"))
 
 
 def print_table(rows) -> None:
