@@ -114,6 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="M=16384 only, projections only")
     parser.add_argument("--out", default="docs/benchmarks/h200.json")
+    parser.add_argument("--cases", default=None, help="comma-separated subset of the cases")
     args = parser.parse_args()
     from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
@@ -122,6 +123,8 @@ def main() -> None:
     token_counts = [16384, 65536]
     if args.quick:
         cases, token_counts = cases[:4], [16384]
+    if args.cases:
+        cases = args.cases.split(",")
     rows = []
     for tokens in token_counts:
         for case in cases:

@@ -77,28 +77,29 @@ def grouped_wgrad_mm(
     """Per group ``a_g^T @ grad_g``: ``a [M, K]`` and ``grad [M, N]`` with per-group scales
     ``[G, K]`` and ``[G, N]`` over each group's tokens; returns ``[G, K, N]``."""
     if use_cuda_kernels:
-        # a^T must be row-major and grad column-major: both are when a and grad are
-        # column-major, as the Triton quantizer writes them.
+        # Computed as (grad^T @ a)^T: grad^T is row-major and a column-major as the Triton
+        # quantizer writes them, and the transposed result has the weight's own layout, so
+        # autograd needs no copy to accumulate it.
         if offs.numel() == 1:
             out = torch._scaled_mm(
-                a.t(),
-                _column_major(grad),
-                scale_a=a_scale.reciprocal().view(-1, 1),
-                scale_b=grad_scale.reciprocal().view(1, -1),
+                grad.t(),
+                _column_major(a),
+                scale_a=grad_scale.reciprocal().view(-1, 1),
+                scale_b=a_scale.reciprocal().view(1, -1),
                 out_dtype=torch.bfloat16,
                 use_fast_accum=True,
             ).unsqueeze(0)
         else:
             out = torch._scaled_grouped_mm(
-                a.t(),
-                _column_major(grad),
-                a_scale.reciprocal().reshape(-1),
+                grad.t(),
+                _column_major(a),
                 grad_scale.reciprocal().reshape(-1),
+                a_scale.reciprocal().reshape(-1),
                 offs=offs,
                 out_dtype=torch.bfloat16,
                 use_fast_accum=True,
             )
-        return out.to(out_dtype)
+        return out.transpose(-2, -1).to(out_dtype)
     out = a.new_zeros((offs.numel(), a.shape[1], grad.shape[1]), dtype=torch.float32)
     for group, (start, end) in enumerate(group_bounds(offs)):
         if end > start:
