@@ -2,6 +2,7 @@
 `Float8MoEWeight`, and plans each weight's FSDP shards before torchtitan calls `fully_shard`."""
 
 import torch
+import torch._inductor.config
 import torch.nn as nn
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
@@ -54,6 +55,10 @@ class Float8MoEConverter:
                 "float8_moe: this GPU has no fp8 tensor cores (they need sm89+); set "
                 "`[float8_moe] emulate = true` to train with emulated fp8 numerics"
             )
+        if job_config.compile.enable:
+            # Inductor otherwise fuses the bf16 -> fp32 -> fp8 casts of the quantization into
+            # one rounding, which changes the fp8 values (pytorch/pytorch#150859).
+            torch._inductor.config.emulate_precision_casts = True
         self.shard_plan: list[ShardPlanRow] = []
 
     def convert(self, model: nn.Module) -> None:

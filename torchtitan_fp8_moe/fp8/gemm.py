@@ -7,6 +7,8 @@ to fp32 accumulation order.
 
 Grouped shapes follow ``torch._grouped_mm``: ``offs`` holds the int32 end offset of each group
 along the token dimension M. Rows past the last offset belong to no group and come out as zeros.
+The emulation works on group masks, never reading the offsets on the host, so it traces under
+``torch.compile(fullgraph=True)`` as the CUDA kernels do.
 """
 
 import torch
@@ -14,10 +16,12 @@ import torch
 from .quantize import dequantize
 
 
-def group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) of each token group; reads the offsets on the host."""
-    ends = offs.tolist()
-    return list(zip([0] + ends[:-1], ends))
+def group_masks(offs: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``[G, M]`` float mask: 1 where token m belongs to group g."""
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    token = torch.arange(tokens, device=offs.device)
+    return ((token >= starts[:, None]) & (token < ends[:, None])).float()
 
 
 def _column_major(x: torch.Tensor) -> torch.Tensor:
@@ -56,12 +60,8 @@ def grouped_mm(
                 use_fast_accum=True,
             )
         return out.to(out_dtype)
-    a_hp = dequantize(a, a_scale)
-    b_hp = dequantize(b, b_scale)
-    out = a_hp.new_zeros((a.shape[0], b.shape[-1]))
-    for group, (start, end) in enumerate(group_bounds(offs)):
-        if end > start:
-            out[start:end] = a_hp[start:end] @ b_hp[group]
+    masks = group_masks(offs, a.shape[0])
+    out = torch.einsum("gm,mk,gkn->mn", masks, dequantize(a, a_scale), dequantize(b, b_scale))
     return out.to(out_dtype)
 
 
@@ -100,11 +100,10 @@ def grouped_wgrad_mm(
                 use_fast_accum=True,
             )
         return out.transpose(-2, -1).to(out_dtype)
-    out = a.new_zeros((offs.numel(), a.shape[1], grad.shape[1]), dtype=torch.float32)
-    for group, (start, end) in enumerate(group_bounds(offs)):
-        if end > start:
-            a_hp = dequantize(a[start:end], a_scale[group])
-            grad_hp = dequantize(grad[start:end], grad_scale[group])
-            out[group] = a_hp.t() @ grad_hp
+    masks = group_masks(offs, a.shape[0])
+    # Each token's row is unscaled with its own group's scales (rows of no group: zero).
+    a_hp = a.float() * (masks.t() @ a_scale.reciprocal())
+    grad_hp = grad.float() * (masks.t() @ grad_scale.reciprocal())
+    out = torch.einsum("gm,mk,mn->gkn", masks, a_hp, grad_hp)
     return out.to(out_dtype)
 

@@ -14,11 +14,15 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max
 _AMAX_FLOOR = 1e-12
 
 
+def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The largest power-of-2 multipliers that keep ``amax`` within fp8 range."""
+    scale = FP8_MAX / amax.float().clamp(min=_AMAX_FLOOR)
+    return torch.exp2(torch.floor(torch.log2(scale)))
+
+
 def rowwise_scales(x: torch.Tensor, dim: int) -> torch.Tensor:
     """fp32 multipliers that map each slice of ``x`` along ``dim`` into fp8 range (keepdim)."""
-    amax = x.detach().abs().amax(dim=dim, keepdim=True).float()
-    scale = FP8_MAX / amax.clamp(min=_AMAX_FLOOR)
-    return torch.exp2(torch.floor(torch.log2(scale)))
+    return scales_from_amax(x.detach().abs().amax(dim=dim, keepdim=True))
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

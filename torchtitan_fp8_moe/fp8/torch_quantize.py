@@ -2,8 +2,8 @@
 
 import torch
 
-from .gemm import group_bounds
-from .quantize import FP8_DTYPE, quantize_rowwise
+from .gemm import group_masks
+from .quantize import quantize_rowwise, scales_from_amax, to_fp8
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,17 +21,17 @@ def weight_transposed(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rowwise(b.transpose(-2, -1), dim=-2)
 
 
-def _per_group_along_tokens(x: torch.Tensor, offs: torch.Tensor):
-    data = torch.zeros_like(x, dtype=FP8_DTYPE)
-    scales = x.new_ones((offs.numel(), x.shape[1]), dtype=torch.float32)
-    for group, (start, end) in enumerate(group_bounds(offs)):
-        if end > start:
-            data[start:end], group_scale = quantize_rowwise(x[start:end], dim=0)
-            scales[group] = group_scale.squeeze(0)
-    return data, scales
+def _per_group_along_tokens(x: torch.Tensor, masks: torch.Tensor):
+    if x.shape[0] == 0:  # no tokens at all (an idle expert in the for-loop path)
+        amax = x.new_zeros((masks.shape[0], x.shape[1]), dtype=torch.float32)
+    else:
+        amax = (x.detach().abs().float()[None] * masks[:, :, None]).amax(dim=1)  # [G, C]
+    scales = scales_from_amax(amax)
+    return to_fp8(x, masks.t() @ scales), scales
 
 
 def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
     """Per-group scales over tokens for the weight-gradient GEMM: ``(a_fp8, a_scales [G, K],
-    grad_fp8, grad_scales [G, N])``; an empty group gets scale 1."""
-    return (*_per_group_along_tokens(a, offs), *_per_group_along_tokens(grad, offs))
+    grad_fp8, grad_scales [G, N])``. Rows of no group quantize to zero."""
+    masks = group_masks(offs, a.shape[0])
+    return (*_per_group_along_tokens(a, masks), *_per_group_along_tokens(grad, masks))
