@@ -24,7 +24,8 @@ def group_masks(offs: torch.Tensor, tokens: int) -> torch.Tensor:
     return ((token >= starts[:, None]) & (token < ends[:, None])).float()
 
 
-def _column_major(x: torch.Tensor) -> torch.Tensor:
+def column_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its last two dims stored column-major (no copy if they already are)."""
     return x.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
@@ -43,7 +44,7 @@ def grouped_mm(
             # One group is a plain GEMM; _scaled_mm is faster than the grouped kernel for it.
             out = torch._scaled_mm(
                 a,
-                _column_major(b[0]),
+                column_major(b[0]),
                 scale_a=a_scale.reciprocal(),
                 scale_b=b_scale[0].reciprocal(),
                 out_dtype=torch.bfloat16,
@@ -52,7 +53,7 @@ def grouped_mm(
         else:
             out = torch._scaled_grouped_mm(
                 a,
-                _column_major(b),
+                column_major(b),
                 a_scale.reciprocal().squeeze(-1),
                 b_scale.reciprocal().squeeze(-2),
                 offs=offs,
@@ -83,7 +84,7 @@ def grouped_wgrad_mm(
         if offs.numel() == 1:
             out = torch._scaled_mm(
                 grad.t(),
-                _column_major(a),
+                column_major(a),
                 scale_a=grad_scale.reciprocal().view(-1, 1),
                 scale_b=a_scale.reciprocal().view(1, -1),
                 out_dtype=torch.bfloat16,
@@ -92,7 +93,7 @@ def grouped_wgrad_mm(
         else:
             out = torch._scaled_grouped_mm(
                 grad.t(),
-                _column_major(a),
+                column_major(a),
                 grad_scale.reciprocal().reshape(-1),
                 a_scale.reciprocal().reshape(-1),
                 offs=offs,

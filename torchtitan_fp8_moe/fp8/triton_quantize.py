@@ -12,11 +12,8 @@ from torchao.prototype.moe_training.kernels import (
     triton_fp8_rowwise_3d_transpose_rhs,
 )
 
+from .gemm import column_major
 from .quantize import FP8_DTYPE
-
-
-def _column_major(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,14 +26,14 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[G, K, N]`` (column-major) -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K)."""
     return triton_fp8_colwise_3d_scale_and_cast(
-        _column_major(b), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
+        column_major(b), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
     )
 
 
 def weight_transposed(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[G, K, N]`` -> fp8 of ``b^T [G, N, K]``, scales ``[G, 1, K]`` (over N)."""
     data, scales = triton_fp8_rowwise_3d_transpose_rhs(
-        _column_major(b), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
+        column_major(b), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
     )
     return data, scales.view(b.shape[0], 1, b.shape[1])
 
