@@ -128,3 +128,42 @@ def test_plan_matches_all_gather_padding_in_real_fsdp(dist_results):
             assert row["plan_rows"] == row["all_gather_rows"], (rank, fqn, row)
             assert row["wrapped"] == "Float8MoEWeight", (rank, fqn)
         assert result["grads_finite"] and result["loss"] > 0
+
+
+@pytest.mark.parametrize(
+    "option", ["--parallelism.tensor_parallel_degree=2", "--parallelism.expert_parallel_degree=2"]
+)
+def test_unsupported_parallelism_is_refused_at_start_up(option):
+    name = option.split("=")[0].lstrip("-")
+    degrees = {"tp": 2} if "tensor" in option else {"ep": 2}
+    with pytest.raises(ValueError, match=rf"{name} = 2 is not supported yet"):
+        _convert([CUSTOM_CONFIG, "--model.converters=float8_moe", option], _parallel_dims(**degrees))
+
+
+def test_float8_linear_converter_claiming_shared_experts_is_refused():
+    """torchtitan's quantize.linear.float8 would also convert the FeedForward shared experts:
+    one of the two converters must leave them alone."""
+    args = [CUSTOM_CONFIG, "--model.converters=quantize.linear.float8,float8_moe",
+            "--quantize.linear.float8.emulate"]
+    with pytest.raises(ValueError, match=r"layers\.1\.moe\.shared_experts is a FeedForward that "
+                       r"quantize\.linear\.float8 converts too.*filter_fqns"):
+        _convert(args)
+    model, converters = _convert(args + ["--quantize.linear.float8.filter_fqns=output,router.gate,shared_experts"])
+    assert _converted_names(model) == _expected([1, 3], shared=True)
+    assert type(model.layers["0"].feed_forward.w1).__name__ == "Float8Linear"
+    assert type(model.layers["1"].moe.shared_experts.w1) is torch.nn.Linear
+
+
+def test_shard_plan_with_expert_parallelism():
+    """torchtitan's rule with EP: routed experts split over EP, FSDP over the rest (efsdp), on
+    dim 1 once efsdp x EP exceeds the expert count; shared experts over all FSDP ranks."""
+    from torchtitan_fp8_moe.converter import plan_expert_weight
+
+    dims = _parallel_dims(world_size=8, ep=2)  # efsdp = 8 / 2 = 4; 4 x 2 <= 16 experts
+    row = plan_expert_weight("w1", (16, 512, 256), dims, True, 2, "emulated")
+    assert (row.shape, row.fsdp_degree, row.shard_dim, row.rows_per_rank) == ((8, 512, 256), 4, 0, 2)
+    dims = _parallel_dims(world_size=8, ep=4)  # efsdp 2 x EP 4 = 8 > 4 experts: dim 1
+    row = plan_expert_weight("w1", (4, 512, 256), dims, True, 2, "emulated")
+    assert (row.shape, row.fsdp_degree, row.shard_dim, row.rows_per_rank) == ((1, 512, 256), 2, 1, 256)
+    row = plan_expert_weight("shared.w1", (1, 512, 256), dims, False, 2, "emulated")
+    assert (row.fsdp_degree, row.rows_per_rank, row.padding_only_ranks) == (8, 1, 7)

@@ -15,9 +15,36 @@ from .sharding import ShardPlanRow, format_plan, plan_weight
 from .swap import expert_modules, is_grouped_experts, swap_expert_weights
 from .weight import fp8_kernels_available
 
+# torchtitan's converters for dense linears, and where their exclusion lists live.
+_LINEAR_CONVERTERS = {
+    "quantize.linear.float8": lambda job_config: job_config.quantize.linear.float8.filter_fqns,
+    "quantize.linear.mx": lambda job_config: job_config.quantize.linear.mx.filter_fqns,
+}
 # fp8 tensor-core GEMMs need 16-element multiples: on K and N of every weight, and on the
 # token groups of the routed experts, which torchtitan pads to this alignment.
 _FP8_ALIGNMENT = 16
+
+
+def plan_expert_weight(
+    fqn: str,
+    shape: tuple[int, ...],
+    dims: ParallelDims,
+    is_routed: bool,
+    itemsize: int,
+    path: str,
+) -> ShardPlanRow:
+    """How torchtitan's Llama4 parallelization will FSDP-shard one expert weight."""
+    shape = list(shape)
+    shard_dim = 0
+    degree = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    if is_routed and dims.ep_enabled:
+        # Routed experts: EP splits the experts, FSDP shards them over the rest (efsdp), on
+        # dim 1 when that leaves fewer experts than FSDP ranks (torchtitan's rule).
+        degree = dims.dp_shard * dims.cp * dims.tp // (dims.etp * dims.ep)
+        if degree * dims.ep > shape[0]:
+            shard_dim = 1
+        shape[0] //= dims.ep
+    return plan_weight(fqn, tuple(shape), degree, shard_dim, itemsize, path)
 
 
 class Float8MoEConverter:
@@ -35,8 +62,23 @@ class Float8MoEConverter:
             )
         if not config.fqns:
             raise ValueError("float8_moe: fqns is empty; name the expert modules to convert")
+        for option, degree in (
+            ("parallelism.tensor_parallel_degree", parallel_dims.tp),
+            ("parallelism.expert_parallel_degree", parallel_dims.ep),
+        ):
+            if degree > 1:
+                raise ValueError(
+                    f"float8_moe: {option} = {degree} is not supported yet (the sharded expert "
+                    f"weights would reach plain matmuls); set {option} = 1, or drop float8_moe "
+                    "from model.converters"
+                )
         self.fqns = list(config.fqns)
         self.parallel_dims = parallel_dims
+        self.linear_converter_filters = {
+            name: filter_fqns(job_config)
+            for name, filter_fqns in _LINEAR_CONVERTERS.items()
+            if name in job_config.model.converters
+        }
         self.all_gather_dtype = (
             TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
             if parallel_dims.fsdp_enabled
@@ -70,6 +112,8 @@ class Float8MoEConverter:
                 f"{[fqn for fqn, _ in candidates]}; set float8_moe.fqns to substrings of those"
             )
         for module_fqn, module in targets:
+            self._check_not_claimed_by_linear_converters(module_fqn, module)
+        for module_fqn, module in targets:
             is_routed = is_grouped_experts(module) and module_fqn.split(".")[-1] == "experts"
             for name, param in swap_expert_weights(module, self.emulate):
                 fqn = f"{module_fqn}.{name}"
@@ -82,6 +126,17 @@ class Float8MoEConverter:
             + format_plan(self.shard_plan)
         )
 
+    def _check_not_claimed_by_linear_converters(self, module_fqn: str, module: nn.Module):
+        if is_grouped_experts(module):
+            return
+        for name, filter_fqns in self.linear_converter_filters.items():
+            if not any(f in f"{module_fqn}.w1" for f in filter_fqns):
+                raise ValueError(
+                    f"float8_moe: {module_fqn} is a FeedForward that {name} converts too; give "
+                    f"it to one converter: add '{module_fqn.split('.')[-1]}' to "
+                    f"{name}.filter_fqns, or leave it out of float8_moe.fqns"
+                )
+
     def _check_shape(self, fqn: str, param: torch.Tensor) -> None:
         if self.emulate:
             return
@@ -93,19 +148,10 @@ class Float8MoEConverter:
             )
 
     def _plan(self, fqn: str, param: torch.Tensor, is_routed: bool) -> ShardPlanRow:
-        dims = self.parallel_dims
-        shape = list(param.shape)
-        shard_dim = 0
-        degree = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-        if is_routed and dims.ep_enabled:
-            # Routed experts: EP splits the experts, FSDP shards them over the rest (efsdp),
-            # on dim 1 when that leaves fewer experts than FSDP ranks (torchtitan's rule).
-            degree = dims.dp_shard * dims.cp * dims.tp // (dims.etp * dims.ep)
-            if degree * dims.ep > shape[0]:
-                shard_dim = 1
-            shape[0] //= dims.ep
         itemsize = (self.all_gather_dtype or param.dtype).itemsize
-        return plan_weight(fqn, tuple(shape), degree, shard_dim, itemsize, self.path)
+        return plan_expert_weight(
+            fqn, tuple(param.shape), self.parallel_dims, is_routed, itemsize, self.path
+        )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         pass

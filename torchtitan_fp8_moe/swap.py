@@ -38,6 +38,13 @@ def swap_expert_weights(module: nn.Module, emulate: bool) -> list[tuple[str, nn.
         owners = [(name, module, name) for name in _PROJECTIONS]
     elif is_feed_forward(module):
         owners = [(f"{name}.weight", getattr(module, name), "weight") for name in _PROJECTIONS]
+        for name, linear, _ in owners:
+            if type(linear) is not nn.Linear:
+                raise ValueError(
+                    f"float8_moe: {name} of {type(module).__name__} is already a "
+                    f"{type(linear).__name__} (converted by another converter); exclude this "
+                    "module from one of the two converters"
+                )
     else:
         raise TypeError(f"float8_moe: {type(module).__name__} is not an expert module")
     swapped = []
