@@ -179,3 +179,16 @@ def test_composition_trains_with_the_same_losses(default_losses, composition):
     curve = losses(log)
     assert sorted(curve) == [1, 2]
     assert max(abs(curve[s] - default_losses[s]) for s in curve) < 1e-4, (curve, default_losses)
+
+
+def test_hsdp_replicate_x_shard():
+    """HSDP, 2 replicas x 2 shards on 4 ranks: FSDP shards the experts over the shard dim only
+    (the plan says degree 2: the [1, ...] shared expert pads 1 of 2 ranks), and it trains.
+    (Its losses are not comparable with 4-way FSDP: torchtitan initializes the weights through
+    a different mesh.)"""
+    log = run_train(4, SEED_CONFIG, "--training.steps=3",
+                    "--parallelism.data_parallel_replicate_degree=2",
+                    "--parallelism.data_parallel_shard_degree=2")
+    curve = losses(log)
+    assert sorted(curve) == [1, 2, 3] and curve[3] < curve[1]
+    assert re.search(r"layers\.1\.moe\.shared_expert\.w1 +\[1, 512, 256\] +2 +0 +1 +1 ", log)
