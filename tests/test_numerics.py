@@ -105,3 +105,19 @@ def test_non_emulated_weight_without_fp8_kernels_raises():
     w = Float8MoEWeight(torch.randn(16, 16), emulate=False)
     with pytest.raises(RuntimeError, match="emulate = true"):
         F.linear(torch.randn(4, 16), w)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_activation_poisons_only_its_row(bad):
+    """A non-finite activation makes its own token's output non-finite (so the loss shows it)
+    and leaves every other token's output exactly as without it: the scales of the finite rows
+    stay finite."""
+    torch.manual_seed(0)
+    w = Float8MoEWeight(torch.randn(HIDDEN, DIM) * 0.02, emulate=True)
+    x = torch.randn(16, DIM)
+    clean = F.linear(x, w)
+    x[3, 7] = bad
+    out = F.linear(x, w)
+    assert not torch.isfinite(out[3]).any()
+    assert torch.equal(torch.cat([out[:3], out[4:]]), torch.cat([clean[:3], clean[4:]]))
+    assert not torch.isfinite(out.sum())
