@@ -108,6 +108,18 @@ def _set_pg_timeouts(timeout, parallel_dims) -> None:
         torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+_original_destroy_process_group = torch.distributed.destroy_process_group
+
+
+def _destroy_process_group_together(group=None) -> None:
+    """Tear gloo down only once every rank got there: seen once in CI, a rank aborted in gloo's
+    teardown ("terminate called without an active exception") while rank 0 was still in
+    torchtitan's 2-second end-of-training sleep."""
+    if group is None and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    _original_destroy_process_group(group)
+
+
 def _disable_fsdp_gradient_division_with_sums(model: torch.nn.Module) -> None:
     _original_disable_division(model)
     use_sum_reductions(model)
@@ -128,6 +140,7 @@ def enable_cpu_training() -> None:
     enable_moe_ops()
     metrics.build_device_memory_monitor = CpuMemoryMonitor
     dist_utils.set_pg_timeouts = _set_pg_timeouts
+    torch.distributed.destroy_process_group = _destroy_process_group_together
     _original_disable_division = parallelize.disable_fsdp_gradient_division
     parallelize.disable_fsdp_gradient_division = _disable_fsdp_gradient_division_with_sums
     # torch._grouped_mm runs on CPU: keep the experts on the grouped path the GPU takes.
@@ -135,5 +148,6 @@ def enable_cpu_training() -> None:
     logger.info(
         "running on CPU: gloo backend, emulated fp8, experts on the grouped-mm path; "
         "memory is the process's peak RSS; FSDP reduces gradients with sums (gloo has no "
-        "PREMUL_SUM); process-group timeouts are set without a CUDA barrier"
+        "PREMUL_SUM); process-group timeouts are set without a CUDA barrier; ranks meet at a "
+        "barrier before the process group is destroyed"
     )
