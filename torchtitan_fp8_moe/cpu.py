@@ -1,12 +1,14 @@
-"""CPU support for torchtitan 0.2.2, which assumes CUDA; every function here is a no-op for CUDA.
+"""CPU support for torchtitan 0.2.2, which assumes CUDA. Only for machines without CUDA:
+``enable_cpu_training()`` refuses to run where CUDA is present, and the MoE op wrappers pass
+CUDA tensors to the original code unchanged.
 
 Device: torchtitan picks its device type once, at import, and falls back to "cuda" when no
 accelerator is found. ``select_cpu_device()`` points the modules that captured it at the CPU.
 
-MoE: torchtitan's MoE assumes CUDA in two places, and the experts keep the grouped-mm path on CPU: the router counts tokens per expert with
-``torch.histc`` on int64 indices (CPU has no integer histc kernel), and the token-group padding
-builds its permutation with a Triton kernel unless asked for its CPU implementation. ``enable()``
-fixes both for CPU tensors only; CUDA tensors take the original code unchanged.
+MoE (``enable_moe_ops()``): torchtitan's MoE assumes CUDA in two places, and the experts keep
+the grouped-mm path on CPU: the router counts tokens per expert with ``torch.histc`` on int64
+indices (CPU has no integer histc kernel), and the token-group padding builds its permutation
+with a Triton kernel unless asked for its CPU implementation.
 """
 
 import functools
