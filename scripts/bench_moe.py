@@ -1,13 +1,15 @@
 """Benchmark bf16, torchao 0.18's fp8 rowwise and float8_moe on Llama4 Scout MoE shapes.
 
-    python scripts/bench_moe.py [--quick] [--out docs/benchmarks/h200.json]
+    python scripts/bench_moe.py [--quick] [--cases C,..] [--tokens M,..] [--profile]
+        [--out docs/benchmarks/h200.json]
 
 Forward + backward (input and weight gradients) of: one routed-expert projection (w1: D -> H,
 w2: H -> D; 16 experts, even token groups), the grouped shared expert (3D x 3D, [1, H, D]), the
 FeedForward shared expert's first linear, and a whole torchtitan Llama4 MoE layer (router, 16
 routed experts top-1, one shared expert). Times are triton do_bench medians in one process on
 one GPU. SQNR is of the output (and gradients) against the bf16 run. Writes the JSON rows and a
-PNG chart next to it. Needs CUDA with fp8 (sm89+).
+PNG chart next to it. With --profile each row also gets the GPU time per step of its largest
+kernels (torch profiler), the breakdown behind a speedup. Needs CUDA with fp8 (sm89+).
 """
 
 import argparse
@@ -86,7 +88,7 @@ def build_case(case: str, tokens: int):
     return module, x, 3 * 2 * tokens * DIM * HIDDEN
 
 
-def run_impl(case, tokens, impl):
+def run_impl(case, tokens, impl, profile=False):
     module, x, flops = build_case(case, tokens)
     if impl == "torchao":
         module = _to_torchao(module)
@@ -107,7 +109,30 @@ def run_impl(case, tokens, impl):
     for p in module.parameters():
         p.grad = None
     ms = do_bench(step, warmup=25, rep=100, grad_to_none=[x, *module.parameters()])
-    return ms, flops, outputs
+    kernels = kernel_breakdown(step, [x, *module.parameters()]) if profile else None
+    return ms, flops, outputs, kernels
+
+
+def kernel_breakdown(step, tensors, iters: int = 5, top: int = 12) -> dict[str, float]:
+    """GPU time per step of each kernel (ms, largest first), from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def fresh_step():
+        for t in tensors:
+            t.grad = None
+        step()
+
+    fresh_step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fresh_step()
+        torch.cuda.synchronize()
+    times = {e.key: e.self_device_time_total / iters / 1000 for e in prof.key_averages()}
+    ranked = sorted(((k, v) for k, v in times.items() if v > 0), key=lambda kv: -kv[1])
+    breakdown = {name[:100]: round(ms, 3) for name, ms in ranked[:top]}
+    breakdown["(all kernels)"] = round(sum(times.values()), 3)
+    return breakdown
 
 
 def main() -> None:
@@ -115,6 +140,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="M=16384 only, projections only")
     parser.add_argument("--out", default="docs/benchmarks/h200.json")
     parser.add_argument("--cases", default=None, help="comma-separated subset of the cases")
+    parser.add_argument("--tokens", default=None, help="comma-separated token counts M")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each implementation's per-kernel GPU time per step")
     args = parser.parse_args()
     from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
@@ -125,23 +153,25 @@ def main() -> None:
         cases, token_counts = cases[:4], [16384]
     if args.cases:
         cases = args.cases.split(",")
+    if args.tokens:
+        token_counts = [int(t) for t in args.tokens.split(",")]
     rows = []
     for tokens in token_counts:
         for case in cases:
             results = {}
             for impl in ("bf16", "torchao", "float8_moe"):
                 try:
-                    results[impl] = run_impl(case, tokens, impl)
+                    results[impl] = run_impl(case, tokens, impl, args.profile)
                 except Exception as e:  # noqa: BLE001 - reported in the table
                     results[impl] = f"{type(e).__name__}: {str(e)[:160]}"
                 torch.cuda.empty_cache()
-            bf16_ms, _, ref = results["bf16"]
+            bf16_ms, _, ref, _ = results["bf16"]
             for impl, result in results.items():
                 row = {"case": case, "tokens": tokens, "impl": impl}
                 if isinstance(result, str):
                     row.update(ms=None, error=result)
                 else:
-                    ms, flops, outputs = result
+                    ms, flops, outputs, kernels = result
                     row.update(
                         ms=round(ms, 3),
                         tflops=round(flops / ms / 1e9, 1),
@@ -150,6 +180,8 @@ def main() -> None:
                         sqnr_input_grad_db=sqnr(ref[1], outputs[1]) if impl != "bf16" else math.inf,
                         sqnr_weight_grad_db=sqnr(ref[2], outputs[2]) if impl != "bf16" else math.inf,
                     )
+                    if kernels is not None:
+                        row["kernels_ms_per_step"] = kernels
                 rows.append(row)
             torchao_ms = next((r["ms"] for r in rows[-3:] if r["impl"] == "torchao"), None)
             for row in rows[-3:]:

@@ -29,6 +29,9 @@ from expert_modules import (  # noqa: E402
 )
 
 
+STEPS, MICRO_BATCHES = 2, 2
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
@@ -49,7 +52,9 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     param_dtype = getattr(torch, case["param_dtype"])
     ref = convert_to_float8_moe(build_expert_module(case["kind"], case["dim0"]))
-    sharded = convert_to_float8_moe(build_expert_module(case["kind"], case["dim0"]))
+    sharded = convert_to_float8_moe(
+        build_expert_module(case["kind"], case["dim0"]), cache_fp8=case["cache_fp8"]
+    )
     fully_shard(
         sharded,
         mesh=mesh,
@@ -81,17 +86,18 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
         )
         result["padded_rows"][name] = padded.shape[0]
 
-    for step in range(2):
-        x, routing, target = expert_inputs(case["kind"], case["dim0"], step)
-        x_ref = x.to(param_dtype).detach().requires_grad_()
-        x_sharded = x.clone().requires_grad_()
-        cast = {n: p.to(param_dtype) for n, p in ref.named_parameters()}
-        out_ref = torch.func.functional_call(ref, cast, (x_ref, *routing))
-        out = sharded(x_sharded, *routing)
-        (out_ref.float() * target).sum().backward()
-        (out.float() * target).sum().backward()
-        diffs["out"] = max(diffs["out"], _max_diff(out, out_ref))
-        diffs["input_grad"] = max(diffs["input_grad"], _max_diff(x_sharded.grad, x_ref.grad))
+    for step in range(STEPS):
+        for micro in range(MICRO_BATCHES):  # gradient accumulation
+            x, routing, target = expert_inputs(case["kind"], case["dim0"], step * 2 + micro)
+            x_ref = x.to(param_dtype).detach().requires_grad_()
+            x_sharded = x.clone().requires_grad_()
+            cast = {n: p.to(param_dtype) for n, p in ref.named_parameters()}
+            out_ref = torch.func.functional_call(ref, cast, (x_ref, *routing))
+            out = sharded(x_sharded, *routing)
+            (out_ref.float() * target).sum().backward()
+            (out.float() * target).sum().backward()
+            diffs["out"] = max(diffs["out"], _max_diff(out, out_ref))
+            diffs["input_grad"] = max(diffs["input_grad"], _max_diff(x_sharded.grad, x_ref.grad))
         for name, ref_param in ref.named_parameters():
             local_grad = _local(sharded.get_parameter(name).grad)
             expected = _shard(ref_param.grad, world, rank)
@@ -106,6 +112,10 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
     check_gathered(exact=False)
     result["scale"] = max(p.detach()._data.abs().max().item() for p in ref.parameters())
     result.update(diffs)
+    if case["cache_fp8"]:
+        result["fp8_cache_quantizations"] = {
+            n: sharded.get_parameter(n).to_local()._cache.quantizations for n in names
+        }
     result["wrapped_after_step"] = all(
         type(sharded.get_parameter(n).to_local()).__name__ == "Float8MoEWeight" for n in names
     )

@@ -51,9 +51,9 @@ def build_expert_module(kind: str, dim0: int, seed: int = 0) -> nn.Module:
     return module
 
 
-def convert_to_float8_moe(module: nn.Module) -> nn.Module:
+def convert_to_float8_moe(module: nn.Module, cache_fp8: bool = False) -> nn.Module:
     for _, expert in expert_modules(module):
-        swap_expert_weights(expert, emulate=True)
+        swap_expert_weights(expert, emulate=True, cache_fp8=cache_fp8)
     return module
 
 
@@ -76,17 +76,24 @@ def expert_inputs(kind: str, dim0: int, step: int):
     return x, routing, target
 
 
-_COMBOS = [(True, "bfloat16"), (False, "float32"), (True, "float32"), (False, "bfloat16")]
+# (reshard_after_forward, param dtype, fp8 weight cache on the sharded module)
+_COMBOS = [
+    (True, "bfloat16", False),
+    (False, "float32", True),
+    (True, "float32", True),
+    (False, "bfloat16", False),
+]
 
 
 def _case(kind, dim0, combo):
-    reshard, dtype = combo
+    reshard, dtype, cache_fp8 = combo
     return {
-        "name": f"{kind}-dim0={dim0}-reshard={reshard}-{dtype}",
+        "name": f"{kind}-dim0={dim0}-reshard={reshard}-{dtype}" + ("-cache" if cache_fp8 else ""),
         "kind": kind,
         "dim0": dim0,
         "reshard_after_forward": reshard,
         "param_dtype": dtype,
+        "cache_fp8": cache_fp8,
     }
 
 

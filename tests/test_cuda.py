@@ -55,3 +55,70 @@ def test_cuda_kernels_match_emulation(forward, shape, dtype):
     for emulated, cuda in zip(*results):
         assert cuda.dtype == emulated.dtype == dtype
         assert _sqnr(emulated, cuda) > 35
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [((4096, 5120), torch.bfloat16), ((999, 8192), torch.bfloat16), ((64, 300), torch.float32),
+     ((3, 16, 40), torch.bfloat16)],
+)
+def test_rowwise_kernel_matches_the_torch_rules(shape, dtype):
+    """Our one-pass Triton kernel gives the bytes and scales of quantize.py's torch rules, on
+    rows spanning 10 decades of magnitude, an all-zero row and a row at the fp8 limit."""
+    from torchtitan_fp8_moe.fp8 import quantize_rowwise
+    from torchtitan_fp8_moe.fp8.triton_rowwise import rowwise_fp8
+
+    torch.manual_seed(0)
+    rows = torch.logspace(-6, 4, shape[-2], device="cuda").unsqueeze(-1)
+    x = (torch.randn(shape, device="cuda") * rows).to(dtype)
+    x[..., 0, :] = 0
+    x[..., 1, :] = 448.0
+    data, scales = rowwise_fp8(x)
+    ref_data, ref_scales = quantize_rowwise(x, dim=-1)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+
+
+def test_rowwise_kernel_keeps_non_finite_values_in_their_rows():
+    """A NaN or Inf makes its own row non-finite (never silently finite); other rows exact."""
+    from torchtitan_fp8_moe.fp8 import quantize_rowwise
+    from torchtitan_fp8_moe.fp8.triton_rowwise import rowwise_fp8
+
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    x[2, 5], x[5, 7] = float("nan"), float("inf")
+    data, scales = rowwise_fp8(x)
+    ref_data, ref_scales = quantize_rowwise(x, dim=-1)
+    finite_rows = [r for r in range(8) if r not in (2, 5)]
+    assert torch.equal(data[finite_rows].view(torch.uint8), ref_data[finite_rows].view(torch.uint8))
+    assert torch.equal(scales[finite_rows], ref_scales[finite_rows])
+    assert data[2, 5].float().isnan() and data[5, 7].float().isnan()
+
+
+def test_weight_quantizers_match_the_torch_rules():
+    """Both weight orientations on CUDA (ours and torchao's kernels) equal the torch rules."""
+    from torchtitan_fp8_moe.fp8 import torch_quantize, triton_quantize
+
+    torch.manual_seed(0)
+    b = (torch.randn(E, H, D, device="cuda", dtype=torch.bfloat16) * 0.02).transpose(-2, -1)
+    for name in ("weight", "weight_transposed"):
+        data, scales = getattr(triton_quantize, name)(b)
+        ref_data, ref_scales = getattr(torch_quantize, name)(b)
+        assert torch.equal(scales.reshape(ref_scales.shape), ref_scales), name
+        assert torch.equal(data.float(), ref_data.float()), name
+
+
+def test_weight_cache_on_cuda_matches_uncached():
+    """The fp8 weight cache on the CUDA path: two micro-batches, bit-identical gradients, and
+    one quantization of the weight (forward orientation only: x needs no gradient)."""
+    torch.manual_seed(0)
+    w = torch.randn(E, H, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    grads = []
+    for cache in (False, True):
+        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), emulate=False, cache_fp8=cache))
+        for micro in range(2):
+            torch.manual_seed(micro)
+            x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+            _routed(x, weight).float().square().sum().backward()
+        grads.append(weight.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert weight._cache.quantizations == 1

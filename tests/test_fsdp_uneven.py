@@ -2,6 +2,7 @@
 train exactly like the same converted module unsharded."""
 
 import pytest
+from dist_worker import STEPS
 from expert_modules import fsdp_cases
 
 from torchtitan_fp8_moe.sharding import rows_per_rank
@@ -27,6 +28,13 @@ def test_uneven_fsdp_matches_unsharded(dist_results, world_size, case):
         for what in ("out", "input_grad", "weight_grad", "param", "gathered"):
             assert result[what] <= TOLERANCE, f"rank {rank}: {what} differs by {result[what]}"
         assert result["wrapped_after_step"], f"rank {rank}: weight lost its fp8 wrapper"
+        if case["cache_fp8"]:
+            # One quantization per orientation (forward, input gradient) per optimizer step
+            # (per expert slice in the for-loop path), though FSDP re-gathers the weight for
+            # every micro-batch's forward and backward.
+            expected = STEPS * 2 * (case["dim0"] if case["kind"] == "for_loop" else 1)
+            for name, count in result["fp8_cache_quantizations"].items():
+                assert count == expected, f"rank {rank}: {name} quantized {count}x, not {expected}x"
         for name, rows in result["padded_rows"].items():
             dim0 = case["dim0"] if not name.endswith("weight") else None
             if dim0 is not None:

@@ -23,6 +23,14 @@ class Float8MoE:
     fp8 kernels. Always on when no CUDA device is present; for GPUs without fp8 (before sm89)
     set it to true explicitly."""
 
+    cache_fp8_weights: bool = False
+    """Quantize each expert weight once per optimizer step and orientation, and reuse the fp8
+    copies in every forward, activation-checkpoint recompute and gradient-accumulation
+    micro-batch of the step. Saves the weight quantization time of all but the first use (on an
+    H200 about 1.6 ms per Scout routed projection per use); costs the memory of the fp8 copies
+    (about one bf16 copy of the unsharded expert weights) until the step ends. Eager mode only:
+    under torch.compile the weights are quantized inline."""
+
 
 @dataclass
 class JobConfig:

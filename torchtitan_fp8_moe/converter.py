@@ -11,6 +11,7 @@ from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
 from .config import SUPPORTED_RECIPES, Float8MoE
+from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
 from .sharding import ShardPlanRow, format_plan, plan_weight
 from .swap import expert_modules, is_grouped_experts, swap_expert_weights
 from .weight import fp8_kernels_available
@@ -73,6 +74,7 @@ class Float8MoEConverter:
                     "from model.converters"
                 )
         self.fqns = list(config.fqns)
+        self.cache_fp8_weights = config.cache_fp8_weights
         self.parallel_dims = parallel_dims
         self.linear_converter_filters = {
             name: filter_fqns(job_config)
@@ -115,14 +117,14 @@ class Float8MoEConverter:
             self._check_not_claimed_by_linear_converters(module_fqn, module)
         for module_fqn, module in targets:
             is_routed = is_grouped_experts(module) and module_fqn.split(".")[-1] == "experts"
-            for name, param in swap_expert_weights(module, self.emulate):
+            for name, param in swap_expert_weights(module, self.emulate, self.cache_fp8_weights):
                 fqn = f"{module_fqn}.{name}"
                 self._check_shape(fqn, param)
                 self.shard_plan.append(self._plan(fqn, param, is_routed))
         logger.info(
             f"float8_moe: converted {len(self.shard_plan)} expert weights of "
-            f"{len(targets)} modules to fp8 rowwise, {self.path} path ({self.path_reason}); "
-            "FSDP shard plan:\n"
+            f"{len(targets)} modules to fp8 rowwise, {self.path} path ({self.path_reason}), "
+            f"fp8 weight cache {'on' if self.cache_fp8_weights else 'off'}; FSDP shard plan:\n"
             + format_plan(self.shard_plan)
         )
 
@@ -154,7 +156,8 @@ class Float8MoEConverter:
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
-        pass
+        # The weights just changed: their fp8 copies are stale (and their memory is freed).
+        clear_fp8_weight_caches()
 
 
 register_model_converter(Float8MoEConverter, "float8_moe")

@@ -31,7 +31,9 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def swap_expert_weights(module: nn.Module, emulate: bool) -> list[tuple[str, nn.Parameter]]:
+def swap_expert_weights(
+    module: nn.Module, emulate: bool, cache_fp8: bool = False
+) -> list[tuple[str, nn.Parameter]]:
     """Wrap the w1/w2/w3 weights of an expert module in place; returns (name, new parameter)
     with names relative to ``module`` (``w1`` for grouped experts, ``w1.weight`` for linears)."""
     if is_grouped_experts(module):
@@ -53,7 +55,7 @@ def swap_expert_weights(module: nn.Module, emulate: bool) -> list[tuple[str, nn.
         if isinstance(param, Float8MoEWeight):
             raise ValueError(f"float8_moe: {name} of {type(module).__name__} is already converted")
         new_param = nn.Parameter(
-            Float8MoEWeight(param.data, emulate), requires_grad=param.requires_grad
+            Float8MoEWeight(param.data, emulate, cache_fp8), requires_grad=param.requires_grad
         )
         setattr(owner, attr, new_param)
         swapped.append((name, new_param))

@@ -15,12 +15,14 @@ import torch.utils._pytree as pytree
 from torch._prims_common import suggest_memory_format
 
 from .fp8 import fp8_batched_mm, fp8_grouped_mm, fp8_matmul
+from .fp8.weight_cache import CachedWeightQuantizer, WeightQuantCache
 from .sharding import padded_shard_shape
 
 aten = torch.ops.aten
 
-# Ops whose result is still the same weight, moved, viewed or re-typed: keep it wrapped.
-_WRAPPED_RESULT_OPS = {
+# Ops whose result is still the same weight, moved, viewed or re-typed: keep it wrapped. Views and
+# casts hold the same values as their source, so they also share its fp8 cache.
+_SAME_VALUE_OPS = {
     aten.detach.default,
     aten.alias.default,
     aten.view.default,
@@ -34,8 +36,10 @@ _WRAPPED_RESULT_OPS = {
     aten.t.default,
     aten.permute.default,
     aten.unsqueeze.default,
-    aten.clone.default,
     aten._to_copy.default,
+}
+_WRAPPED_RESULT_OPS = _SAME_VALUE_OPS | {
+    aten.clone.default,
     aten._pin_memory.default,
     aten.empty_like.default,
     aten.new_zeros.default,
@@ -74,9 +78,14 @@ class _Unwrap(torch.autograd.Function):
 class Float8MoEWeight(torch.Tensor):
     _data: torch.Tensor
     emulate: bool
+    # With cache_fp8: the fp8 copies shared by this weight and every view or cast of it, valid
+    # while _version_source (the tensor the optimizer updates in place) is unchanged.
+    cache_fp8: bool
+    _cache: WeightQuantCache | None
+    _version_source: torch.Tensor
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, emulate: bool):
+    def __new__(cls, data: torch.Tensor, emulate: bool, cache_fp8: bool = False):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
@@ -89,21 +98,40 @@ class Float8MoEWeight(torch.Tensor):
             requires_grad=data.requires_grad,
         )
 
-    def __init__(self, data: torch.Tensor, emulate: bool):
+    def __init__(self, data: torch.Tensor, emulate: bool, cache_fp8: bool = False):
         self._data = data
         self.emulate = emulate
+        self.cache_fp8 = cache_fp8
+        self._cache = WeightQuantCache() if cache_fp8 else None
+        self._version_source = data
+
+    def _same_value(self, data: torch.Tensor) -> "Float8MoEWeight":
+        """A view or cast of this weight: same settings, same fp8 cache."""
+        derived = Float8MoEWeight(data, self.emulate)
+        derived.cache_fp8, derived._cache = self.cache_fp8, self._cache
+        derived._version_source = self._version_source
+        return derived
 
     def __repr__(self) -> str:
-        return f"Float8MoEWeight(emulate={self.emulate}, data={self._data!r})"
+        return (
+            f"Float8MoEWeight(emulate={self.emulate}, cache_fp8={self.cache_fp8}, "
+            f"data={self._data!r})"
+        )
 
     def __tensor_flatten__(self):
-        return ["_data"], self.emulate
+        return ["_data"], (self.emulate, self.cache_fp8)
 
     @classmethod
-    def __tensor_unflatten__(cls, inner_tensors, emulate, outer_size, outer_stride):
-        return cls(inner_tensors["_data"], emulate)
+    def __tensor_unflatten__(cls, inner_tensors, flags, outer_size, outer_stride):
+        return cls(inner_tensors["_data"], *flags)
 
     # ---- matmuls -----------------------------------------------------------------------------
+
+    def _cached_quantizer(self) -> CachedWeightQuantizer | None:
+        # Compiled graphs quantize inline: a Python-side cache would be baked into the trace.
+        if self._cache is None or torch.compiler.is_compiling():
+            return None
+        return CachedWeightQuantizer(self._cache, self._version_source)
 
     def _uses_cuda_kernels(self) -> bool:
         if self.emulate:
@@ -140,15 +168,26 @@ class Float8MoEWeight(torch.Tensor):
                 "fp8 matmul overrides and would run in high precision; this call form is not "
                 "supported. Leave this module out of `float8_moe.fqns`."
             )
-        emulate = next(a.emulate for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        parent = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        in_place = func.overloadpacket.__name__.endswith("_")
+        if in_place:
+            # The weight is changing (optimizer step, checkpoint load): its fp8 copies are stale.
+            # This runs below autograd, where version counters do not move, so clear directly.
+            for mutated in pytree.tree_leaves(args[0]):
+                if isinstance(mutated, cls) and mutated._cache is not None:
+                    mutated._cache.clear()
         unwrapped_args, unwrapped_kwargs = pytree.tree_map_only(
             cls, lambda t: t._data, (args, kwargs or {})
         )
         out = func(*unwrapped_args, **unwrapped_kwargs)
-        if func.overloadpacket.__name__.endswith("_") and isinstance(args[0], cls):
+        if in_place and isinstance(args[0], cls):
             return args[0]  # in-place: the wrapper itself was modified
+        if func in _SAME_VALUE_OPS:
+            return pytree.tree_map_only(torch.Tensor, parent._same_value, out)
         if func in _WRAPPED_RESULT_OPS:
-            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, emulate), out)
+            return pytree.tree_map_only(
+                torch.Tensor, lambda t: cls(t, parent.emulate, parent.cache_fp8), out
+            )
         return out
 
     # ---- FSDP2 all-gather extension ----------------------------------------------------------
@@ -162,7 +201,10 @@ class Float8MoEWeight(torch.Tensor):
             padded = data.new_zeros(padded_shape)
             padded[: data.shape[0]].copy_(data)
             data = padded
-        return (data,), tuple(outer_size)
+        # The shard's cache and data travel in the metadata: the unsharded weight shares the
+        # cache, which the optimizer's in-place update of the shard clears, and keys on the
+        # shard's version rather than on the all-gather buffer, which is refilled every use.
+        return (data,), (tuple(outer_size), self._cache, self._data)
 
     def fsdp_post_all_gather(
         self,
@@ -173,7 +215,7 @@ class Float8MoEWeight(torch.Tensor):
         out: torch.Tensor | None = None,
     ):
         (gathered,) = all_gather_outputs
-        logical_shape = metadata
+        logical_shape, shard_cache, shard_data = metadata
         # Dim-0 sharding gathers world * rows_per_rank rows: narrow off the padding. Other shard
         # dims arrive in the logical layout, where the narrow is a no-op.
         data = gathered.view(-1, *logical_shape[1:]).narrow(0, 0, logical_shape[0])
@@ -185,7 +227,10 @@ class Float8MoEWeight(torch.Tensor):
                     "all-gather output; FSDP's buffer reuse changed"
                 )
             return
-        return Float8MoEWeight(data, self.emulate), (gathered,)
+        unsharded = Float8MoEWeight(data, self.emulate)
+        unsharded.cache_fp8, unsharded._cache = self.cache_fp8, shard_cache
+        unsharded._version_source = shard_data
+        return unsharded, (gathered,)
 
 
 def _grouped_mm(a, weight, offs=None, bias=None, out_dtype=None):
@@ -195,10 +240,11 @@ def _grouped_mm(a, weight, offs=None, bias=None, out_dtype=None):
         )
     cuda = weight._uses_cuda_kernels()
     b = _Unwrap.apply(weight)
+    cached = weight._cached_quantizer()
     if a.ndim == 2 and b.ndim == 3 and offs is not None:
-        return fp8_grouped_mm(a, b, offs, cuda)
+        return fp8_grouped_mm(a, b, offs, cuda, cached)
     if a.ndim == 3 and b.ndim == 3 and offs is None:
-        return fp8_batched_mm(a, b, cuda)
+        return fp8_batched_mm(a, b, cuda, cached)
     raise NotImplementedError(
         f"float8_moe: torch._grouped_mm of {list(a.shape)} x {list(b.shape)} "
         f"{'with' if offs is not None else 'without'} offsets is not supported; supported: "
@@ -207,17 +253,20 @@ def _grouped_mm(a, weight, offs=None, bias=None, out_dtype=None):
 
 
 def _linear(x, weight, bias=None):
-    out = fp8_matmul(x, _Unwrap.apply(weight).t(), weight._uses_cuda_kernels())
+    out = fp8_matmul(
+        x, _Unwrap.apply(weight).t(), weight._uses_cuda_kernels(), weight._cached_quantizer()
+    )
     return out if bias is None else out + bias
 
 
 def _matmul(a, weight):
     cuda = weight._uses_cuda_kernels()
     b = _Unwrap.apply(weight)
+    cached = weight._cached_quantizer()
     if b.ndim == 2:
-        return fp8_matmul(a, b, cuda)
+        return fp8_matmul(a, b, cuda, cached)
     if a.ndim == 3 and b.ndim == 3:
-        return fp8_batched_mm(a, b, cuda)
+        return fp8_batched_mm(a, b, cuda, cached)
     raise NotImplementedError(
         f"float8_moe: matmul of {list(a.shape)} x {list(b.shape)} is not supported; "
         "supported: [..., K] x [K, N] and [G, M, K] x [G, K, N]"

@@ -11,12 +11,12 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 # Rows that are all zero get this amax, so their scale stays finite (and the row stays zero).
-_AMAX_FLOOR = 1e-12
+AMAX_FLOOR = 1e-12
 
 
 def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """The largest power-of-2 multipliers that keep ``amax`` within fp8 range."""
-    scale = FP8_MAX / amax.float().clamp(min=_AMAX_FLOOR)
+    scale = FP8_MAX / amax.float().clamp(min=AMAX_FLOOR)
     return torch.exp2(torch.floor(torch.log2(scale)))
 
 

@@ -14,6 +14,7 @@ A 3D x 3D batched matmul is the same thing with one group per batch entry, and a
 import torch
 
 from . import gemm, torch_quantize
+from .weight_cache import CachedWeightQuantizer
 
 
 def _quantizer(use_cuda_kernels: bool):
@@ -24,14 +25,18 @@ def _quantizer(use_cuda_kernels: bool):
     return torch_quantize
 
 
+def _quantize_weight(b, orientation: str, quantize, cached: CachedWeightQuantizer | None):
+    return quantize(b) if cached is None else cached(b, orientation, quantize)
+
+
 class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, offs, use_cuda_kernels: bool):
+    def forward(ctx, a, b, offs, use_cuda_kernels: bool, cached: CachedWeightQuantizer | None):
         quantize = _quantizer(use_cuda_kernels)
         a_fp8, a_scale = quantize.rows(a)
-        b_fp8, b_scale = quantize.weight(b)
+        b_fp8, b_scale = _quantize_weight(b, "forward", quantize.weight, cached)
         ctx.save_for_backward(a, b, offs)
-        ctx.use_cuda_kernels = use_cuda_kernels
+        ctx.use_cuda_kernels, ctx.cached = use_cuda_kernels, cached
         return gemm.grouped_mm(
             a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, use_cuda_kernels
         )
@@ -44,7 +49,9 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_fp8, grad_scale = quantize.rows(grad_out)
-            b_t_fp8, b_t_scale = quantize.weight_transposed(b)
+            b_t_fp8, b_t_scale = _quantize_weight(
+                b, "input_grad", quantize.weight_transposed, ctx.cached
+            )
             grad_a = gemm.grouped_mm(
                 grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, a.dtype, cuda
             )
@@ -53,29 +60,42 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
             grad_b = gemm.grouped_wgrad_mm(
                 a_fp8, a_scales, grad_fp8, grad_scales, offs, b.dtype, cuda
             )
-        return grad_a, grad_b, None, None
+        return grad_a, grad_b, None, None, None
 
 
 def fp8_grouped_mm(
-    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, use_cuda_kernels: bool
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    use_cuda_kernels: bool,
+    cached: CachedWeightQuantizer | None = None,
 ) -> torch.Tensor:
-    """``torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)`` in fp8 rowwise."""
-    return _Fp8RowwiseGroupedMM.apply(a, b, offs, use_cuda_kernels)
+    """``torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)`` in fp8 rowwise. ``cached``
+    reuses b's fp8 copies while b is unchanged (``weight_cache.py``)."""
+    return _Fp8RowwiseGroupedMM.apply(a, b, offs, use_cuda_kernels, cached)
 
 
 def fp8_batched_mm(
-    a: torch.Tensor, b: torch.Tensor, use_cuda_kernels: bool
+    a: torch.Tensor,
+    b: torch.Tensor,
+    use_cuda_kernels: bool,
+    cached: CachedWeightQuantizer | None = None,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8 rowwise."""
     groups, tokens, _ = a.shape
     offs = torch.arange(1, groups + 1, device=a.device, dtype=torch.int32) * tokens
-    out = fp8_grouped_mm(a.reshape(groups * tokens, -1), b, offs, use_cuda_kernels)
+    out = fp8_grouped_mm(a.reshape(groups * tokens, -1), b, offs, use_cuda_kernels, cached)
     return out.view(groups, tokens, -1)
 
 
-def fp8_matmul(a: torch.Tensor, b: torch.Tensor, use_cuda_kernels: bool) -> torch.Tensor:
+def fp8_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    use_cuda_kernels: bool,
+    cached: CachedWeightQuantizer | None = None,
+) -> torch.Tensor:
     """``a [..., K] @ b [K, N]`` in fp8 rowwise (a linear layer's ``x @ W^T`` has b = W^T)."""
     a_2d = a.reshape(-1, a.shape[-1])
     offs = torch.full((1,), a_2d.shape[0], device=a.device, dtype=torch.int32)
-    out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, use_cuda_kernels)
+    out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, use_cuda_kernels, cached)
     return out.view(*a.shape[:-1], b.shape[-1])

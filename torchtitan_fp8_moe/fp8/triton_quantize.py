@@ -1,7 +1,9 @@
-"""The quantization rules of ``quantize.py`` as torchao's fused Triton kernels (CUDA only).
+"""The quantization rules of ``quantize.py`` as fused Triton kernels (CUDA only).
 
 Same outputs as ``torch_quantize.py`` (fp8 data, fp32 power-of-2 multipliers), laid out the way
-the fp8 GEMMs want them: activations row-major, weights column-major per expert.
+the fp8 GEMMs want them: activations row-major, weights column-major per expert. Scales along a
+contiguous dim use our one-pass kernel (``triton_rowwise.py``, faster than torchao's); the
+transposing and per-group casts use torchao's kernels.
 """
 
 import torch
@@ -14,10 +16,13 @@ from torchao.prototype.moe_training.kernels import (
 
 from .gemm import column_major
 from .quantize import FP8_DTYPE
+from .triton_rowwise import MAX_ROW, rowwise_fp8
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[M, K]`` -> fp8 ``[M, K]``, scales ``[M, 1]`` (per row, over K)."""
+    if x.shape[-1] <= MAX_ROW:
+        return rowwise_fp8(x)
     return triton_fp8_rowwise_2d_scale_and_cast(
         x.contiguous(), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
     )
@@ -25,6 +30,11 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[G, K, N]`` (column-major) -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K)."""
+    if b.shape[-2] <= MAX_ROW:
+        # Column-major, K is the contiguous dim: each column is one row of the storage.
+        stored = column_major(b).transpose(-2, -1)
+        data, scales = rowwise_fp8(stored)
+        return data.transpose(-2, -1), scales.transpose(-2, -1)
     return triton_fp8_colwise_3d_scale_and_cast(
         column_major(b), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
     )

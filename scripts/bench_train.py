@@ -1,0 +1,100 @@
+"""End-to-end: torchtitan's trainer, bf16 vs float8_moe, with and without torch.compile.
+
+    python scripts/bench_train.py [--ngpu 1] [--config train_configs/llama4_scout_2layers.toml]
+        [--variants bf16,float8_moe,bf16+compile,float8_moe+compile] [--out docs/...json]
+        [-- extra torchtitan overrides]
+
+Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
+per-step log lines, and reports the median tokens/s per device and the peak reserved memory over
+the steps after warm-up, the loss curve, and the speedup over bf16 of the same compile setting.
+Writes the rows as JSON and the raw logs next to it.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
+STEP_LINE = re.compile(
+    r"step: +(\d+) +loss: +(\S+).*?memory: +([\d.]+)GiB.*?tps: +([\d,]+)"
+)
+
+
+def _without_converters(config: str, folder: Path) -> Path:
+    """The config with its model converters removed (torchtitan's CLI cannot empty a list)."""
+    text = (REPO / config).read_text()
+    if 'converters = ["float8_moe"]' not in text:
+        raise SystemExit(f"{config}: expected a line converters = [\"float8_moe\"]")
+    path = (folder / f"{Path(config).stem}_bf16.toml").resolve()
+    path.write_text(text.replace('converters = ["float8_moe"]', "converters = []"))
+    return path
+
+
+def run_variant(variant: str, args, extra: list[str]) -> dict:
+    config = args.config
+    if variant.startswith("bf16"):
+        config = _without_converters(args.config, Path(args.out).parent)
+    overrides = [
+        f"--training.steps={args.steps}",
+        f"--job.dump_folder=outputs/bench_train/{variant}",
+        *(["--compile.enable"] if variant.endswith("+compile") else []),
+        *extra,
+    ]
+    env = dict(os.environ, NGPU=str(args.ngpu), CONFIG_FILE=str(config))
+    proc = subprocess.run(["./scripts/run_train.sh", *overrides], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    log = ANSI_COLOR.sub("", proc.stdout + proc.stderr)
+    log_path = Path(args.out).with_name(f"{Path(args.out).stem}_{variant.replace('+', '_')}.log")
+    log_path.write_text(log)
+    steps = {int(s): (float(loss), float(mem), int(tps.replace(",", "")))
+             for s, loss, mem, tps in STEP_LINE.findall(log)}
+    timed = [steps[s] for s in steps if s > args.warmup]
+    row = {"variant": variant, "ngpu": args.ngpu, "returncode": proc.returncode,
+           "steps_logged": len(steps), "log": log_path.name, "overrides": overrides}
+    if timed:
+        row.update(
+            tokens_per_s_median=statistics.median(t[2] for t in timed),
+            memory_max_reserved_gib=max(t[1] for t in timed),
+            final_loss=steps[max(steps)][0],
+            losses={s: steps[s][0] for s in sorted(steps)},
+        )
+    else:
+        row["error"] = log[-3000:]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ngpu", type=int, default=1)
+    parser.add_argument("--config", default="train_configs/llama4_scout_2layers.toml")
+    parser.add_argument("--variants", default="bf16,float8_moe,bf16+compile,float8_moe+compile")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the medians")
+    parser.add_argument("--out", default="docs/benchmarks/h200_train.json")
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for variant in args.variants.split(","):
+        rows.append(run_variant(variant, args, extra))
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    baselines = {r["variant"].removeprefix("bf16"): r.get("tokens_per_s_median") for r in rows
+                 if r["variant"].startswith("bf16")}
+    print(f"{'variant':22} {'tokens/s':>10} {'vs bf16':>8} {'mem GiB':>8} {'final loss':>10}")
+    for r in rows:
+        base = baselines.get(r["variant"].removeprefix("float8_moe").removeprefix("bf16"))
+        tps = r.get("tokens_per_s_median")
+        if tps is not None and base:
+            r["speedup_vs_bf16"] = round(tps / base, 3)
+        print(f"{r['variant']:22} {tps or 'failed':>10} {r.get('speedup_vs_bf16', '-'):>8} "
+              f"{r.get('memory_max_reserved_gib', '-'):>8} {r.get('final_loss', '-'):>10}")
+    Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
