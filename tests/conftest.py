@@ -10,14 +10,16 @@ TESTS_DIR = Path(__file__).parent
 _launch_cache: dict[tuple[str, int], list[dict]] = {}
 
 
-def launch_suite(suite: str, world_size: int, tmp_root: Path, timeout_s: int = 120) -> list[dict]:
+def launch_suite(
+    suite: str, world_size: int, tmp_root: Path, timeout_s: int = 120, env: dict | None = None
+) -> list[dict]:
     """Run ``tests/dist_worker.py SUITE`` under torchrun once per (suite, world size) and
-    return every rank's results (cached for the session)."""
+    return every rank's results (cached for the session). ``env``: extra variables."""
     key = (suite, world_size)
     if key not in _launch_cache:
         out_dir = tmp_root / f"{suite}-w{world_size}"
         out_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, DIST_TIMEOUT_S=str(timeout_s), OMP_NUM_THREADS="1")
+        env = dict(os.environ, DIST_TIMEOUT_S=str(timeout_s), OMP_NUM_THREADS="1", **(env or {}))
         cmd = [
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
             "--standalone", str(TESTS_DIR / "dist_worker.py"), suite, str(out_dir),

@@ -146,10 +146,9 @@ def suite_torchao_seed(mesh) -> dict:
     return {"trained": True}
 
 
-def suite_llama4(mesh) -> dict:
-    """A 2-layer Llama4 debug model through the real converter and torchtitan's own apply_fsdp:
-    the converter's shard plan must match what each weight pads to at all-gather time, and the
-    model must train a step."""
+def _fsdp_llama4(model_name: str, n_layers: int | None = None):
+    """A converted Llama4 debug model through the real converter and torchtitan's own
+    apply_fsdp over all ranks, on CPU. Returns (model, model_args, converter, parallel_dims)."""
     from dataclasses import replace
 
     from torchtitan.config import ConfigManager
@@ -162,18 +161,20 @@ def suite_llama4(mesh) -> dict:
 
     cpu.select_cpu_device()
     cpu.enable_moe_ops()
-    world = dist.get_world_size()
     job_config = ConfigManager().parse_args([
         "--job.custom_config_module=torchtitan_fp8_moe.config",
         "--model.converters=float8_moe",
     ])
-    spec = get_train_spec("llama4")
-    model_args = replace(spec.model_args["debugmodel"], n_layers=2)
+    spec = get_train_spec(model_name)
+    model_args = spec.model_args["debugmodel"]
+    if n_layers is not None:
+        model_args = replace(model_args, n_layers=n_layers)
     model_args.update_from_config(job_config)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     parallel_dims = ParallelDims(
-        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world
+        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1,
+        world_size=dist.get_world_size(),
     )
     converters = build_model_converters(job_config, parallel_dims)
     converters.convert(model)
@@ -181,6 +182,18 @@ def suite_llama4(mesh) -> dict:
     apply_fsdp(model, parallel_dims.get_mesh("fsdp"), torch.bfloat16, torch.float32, pp_enabled=False)
     cpu.use_sum_reductions(model)
     model.to_empty(device="cpu")
+    return model, model_args, converter, parallel_dims
+
+
+def _fixed_tokens(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+def suite_llama4(mesh) -> dict:
+    """A 2-layer Llama4 debug model through the real converter and torchtitan's own apply_fsdp:
+    the converter's shard plan must match what each weight pads to at all-gather time, and the
+    model must train a step."""
+    model, model_args, converter, parallel_dims = _fsdp_llama4("llama4", n_layers=2)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
     plan = {}
@@ -192,8 +205,7 @@ def suite_llama4(mesh) -> dict:
         )
         plan[row.fqn] = {"plan_rows": row.rows_per_rank, "all_gather_rows": padded.shape[0],
                          "wrapped": type(param.to_local()).__name__}
-    tokens = torch.randint(0, model_args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
-    loss = model(tokens).float().logsumexp(-1).mean()
+    loss = model(_fixed_tokens(model_args.vocab_size)).float().logsumexp(-1).mean()
     loss.backward()
     grads_finite = all(
         bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters() if p.grad is not None
@@ -201,7 +213,43 @@ def suite_llama4(mesh) -> dict:
     return {"plan": plan, "loss": loss.item(), "grads_finite": grads_finite}
 
 
-SUITES = {"fsdp": suite_fsdp, "torchao_seed": suite_torchao_seed, "llama4": suite_llama4}
+def suite_reshape(mesh) -> dict:
+    """Load the trainer's checkpoint at $CHECKPOINT (written at another world size) into the
+    converted, FSDP-sharded seed-layout model; report the loss on a fixed batch and whether
+    the sharded weights reassemble into the checkpoint's values."""
+    import torch.distributed.checkpoint as dcp
+    import torch.nn.functional as F
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    checkpoint = os.environ["CHECKPOINT"]
+    model, model_args, _, _ = _fsdp_llama4("llama4_grouped_shared")
+    with torch.no_grad():  # for the buffers (rope); the checkpoint holds every parameter
+        model.init_weights(buffer_device=torch.device("cpu"))
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint)
+    # The same checkpoint, unsharded, into the plain model (no converter, no FSDP).
+    spec = get_train_spec("llama4_grouped_shared")
+    plain = spec.model_cls(model_args)
+    plain_state = plain.state_dict()
+    dcp.load(plain_state, checkpoint_id=checkpoint)
+    matches = all(
+        torch.equal(_local(p.full_tensor() if isinstance(p, DTensor) else p),
+                    plain_state[name])
+        for name, p in model.named_parameters()
+    )
+    tokens = _fixed_tokens(model_args.vocab_size)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).float()
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    return {"loss": loss.item(), "weights_match_checkpoint": matches}
+
+
+SUITES = {
+    "fsdp": suite_fsdp,
+    "torchao_seed": suite_torchao_seed,
+    "llama4": suite_llama4,
+    "reshape": suite_reshape,
+}
 
 
 def main() -> None:

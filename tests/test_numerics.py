@@ -121,3 +121,60 @@ def test_non_finite_activation_poisons_only_its_row(bad):
     assert not torch.isfinite(out[3]).any()
     assert torch.equal(torch.cat([out[:3], out[4:]]), torch.cat([clean[:3], clean[4:]]))
     assert not torch.isfinite(out.sum())
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_weight_poisons_only_its_output_column(bad):
+    """A non-finite weight element (expert e, output unit n, input k) makes only output column n
+    of expert e's tokens non-finite; every other output, other experts' tokens included, is
+    exactly what it is with that element set to 0 (its column's scale is the only one that
+    sees it). The input gradient is non-finite only in column k of expert e's tokens."""
+    torch.manual_seed(0)
+    counts = torch.tensor([TOKENS // 2, 0, TOKENS // 4, TOKENS // 4])
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    e, n, k = 2, 5, 7
+    rows = slice(int(offs[e - 1]), int(offs[e]))
+    results = []
+    for value in (0.0, bad):
+        w = torch.randn(EXPERTS, HIDDEN, DIM, generator=torch.Generator().manual_seed(0)) * 0.02
+        w[e, n, k] = value
+        weight = Float8MoEWeight(w.bfloat16(), emulate=True)
+        x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(1)).bfloat16()
+        x.requires_grad_()
+        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+        out.float().sum().backward()
+        results.append((out.detach(), x.grad))
+    (clean_out, clean_grad), (out, grad) = results
+    poisoned = torch.zeros_like(out, dtype=torch.bool)
+    poisoned[rows, n] = True
+    assert not torch.isfinite(out[poisoned]).any()
+    assert torch.equal(out[~poisoned], clean_out[~poisoned])
+    grad_poisoned = torch.zeros_like(grad, dtype=torch.bool)
+    grad_poisoned[rows, k] = True
+    assert not torch.isfinite(grad[grad_poisoned]).any()
+    assert torch.isfinite(grad[~grad_poisoned]).all()
+
+
+def test_non_finite_weight_gives_a_nan_loss_in_llama4():
+    """A NaN in a converted shared-expert weight of torchtitan's Llama4 reaches the loss as NaN
+    (which torchtitan's trainer logs as `loss: nan`); fp8 saturation never turns it finite."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_fp8_moe import cpu
+    from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
+
+    cpu.enable_moe_ops()  # torchtitan's routing histogram, on CPU
+    torch.manual_seed(0)
+    spec = get_train_spec("llama4")
+    model = spec.model_cls(spec.model_args["debugmodel"])
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    for _, module in expert_modules(model):
+        swap_expert_weights(module, emulate=True)
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+    assert torch.isfinite(loss)
+    with torch.no_grad():
+        model.layers["1"].moe.shared_experts.w1.weight[3, 4] = float("nan")
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+    assert torch.isnan(loss)

@@ -24,6 +24,15 @@ def group_masks(offs: torch.Tensor, tokens: int) -> torch.Tensor:
     return ((token >= starts[:, None]) & (token < ends[:, None])).float()
 
 
+def per_token(values: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """``[M, C]``: row m holds ``values [G, C]`` of token m's group (zeros for tokens of no
+    group). Indexing, not ``masks.t() @ values``, so a non-finite value of one group never
+    reaches another group's tokens (0 * inf is NaN), as in the CUDA kernels."""
+    group = masks.argmax(dim=0)
+    in_a_group = masks.sum(dim=0) > 0
+    return torch.where(in_a_group[:, None], values[group], 0)
+
+
 def column_major(x: torch.Tensor) -> torch.Tensor:
     """``x`` with its last two dims stored column-major (no copy if they already are)."""
     return x.transpose(-2, -1).contiguous().transpose(-2, -1)
@@ -62,8 +71,10 @@ def grouped_mm(
             )
         return out.to(out_dtype)
     masks = group_masks(offs, a.shape[0])
-    out = torch.einsum("gm,mk,gkn->mn", masks, dequantize(a, a_scale), dequantize(b, b_scale))
-    return out.to(out_dtype)
+    per_group = torch.einsum("mk,gkn->gmn", dequantize(a, a_scale), dequantize(b, b_scale))
+    # Each token takes its own group's product; where, not a 0/1 product, keeps another
+    # group's non-finite weights out of it.
+    return torch.where(masks[:, :, None] > 0, per_group, 0).sum(0).to(out_dtype)
 
 
 def grouped_wgrad_mm(
@@ -102,9 +113,10 @@ def grouped_wgrad_mm(
             )
         return out.transpose(-2, -1).to(out_dtype)
     masks = group_masks(offs, a.shape[0])
-    # Each token's row is unscaled with its own group's scales (rows of no group: zero).
-    a_hp = a.float() * (masks.t() @ a_scale.reciprocal())
-    grad_hp = grad.float() * (masks.t() @ grad_scale.reciprocal())
-    out = torch.einsum("gm,mk,mn->gkn", masks, a_hp, grad_hp)
-    return out.to(out_dtype)
+    # Each token's row is unscaled with its own group's scales (rows of no group: zero), and
+    # each group sums only its own tokens.
+    a_hp = a.float() * per_token(a_scale.reciprocal(), masks)
+    grad_hp = grad.float() * per_token(grad_scale.reciprocal(), masks)
+    a_per_group = torch.where(masks[:, :, None] > 0, a_hp, 0)
+    return torch.einsum("gmk,mn->gkn", a_per_group, grad_hp).to(out_dtype)
 

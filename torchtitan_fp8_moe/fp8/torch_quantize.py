@@ -2,7 +2,7 @@
 
 import torch
 
-from .gemm import group_masks
+from .gemm import group_masks, per_token
 from .quantize import quantize_rowwise, scales_from_amax, to_fp8
 
 
@@ -25,9 +25,10 @@ def _per_group_along_tokens(x: torch.Tensor, masks: torch.Tensor):
     if x.shape[0] == 0:  # no tokens at all (an idle expert in the for-loop path)
         amax = x.new_zeros((masks.shape[0], x.shape[1]), dtype=torch.float32)
     else:
-        amax = (x.detach().abs().float()[None] * masks[:, :, None]).amax(dim=1)  # [G, C]
+        in_group = masks[:, :, None] > 0
+        amax = torch.where(in_group, x.detach().abs().float()[None], 0).amax(dim=1)  # [G, C]
     scales = scales_from_amax(amax)
-    return to_fp8(x, masks.t() @ scales), scales
+    return to_fp8(x, per_token(scales, masks)), scales
 
 
 def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
