@@ -13,15 +13,17 @@ from torchtitan_fp8_moe.models.grouped_shared import GroupedSharedExpert
 from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
 
 DIM, HIDDEN, TOKENS = 32, 64, 48
+# "tiny_routed": every dimension of the weight below the largest world size (8).
+TINY_DIM, TINY_HIDDEN = 4, 6
 
 
 class RoutedExperts(nn.Module):
     """torchtitan's GroupedExperts run through torchtitan's grouped-mm or for-loop expert code
     (the grouped path without the token-padding wrapper, whose index kernel is CUDA-only)."""
 
-    def __init__(self, num_experts: int, grouped: bool):
+    def __init__(self, num_experts: int, grouped: bool, dim: int = DIM, hidden: int = HIDDEN):
         super().__init__()
-        self.experts = GroupedExperts(DIM, HIDDEN, num_experts, use_grouped_mm=grouped)
+        self.experts = GroupedExperts(dim, hidden, num_experts, use_grouped_mm=grouped)
         self.run = _run_experts_grouped_mm if grouped else _run_experts_for_loop
 
     def forward(self, x, tokens_per_expert):
@@ -39,9 +41,11 @@ class SharedExpert(nn.Module):
 
 
 def build_expert_module(kind: str, dim0: int, seed: int = 0) -> nn.Module:
-    """kind: routed | for_loop (dim0 experts) | grouped_shared | linear_shared."""
+    """kind: routed | tiny_routed | for_loop (dim0 experts) | grouped_shared | linear_shared."""
     torch.manual_seed(seed)
-    if kind in ("routed", "for_loop"):
+    if kind == "tiny_routed":
+        module = RoutedExperts(dim0, grouped=True, dim=TINY_DIM, hidden=TINY_HIDDEN)
+    elif kind in ("routed", "for_loop"):
         module = RoutedExperts(dim0, grouped=kind == "routed")
     else:
         module = SharedExpert(grouped=kind == "grouped_shared")
@@ -70,9 +74,10 @@ def tokens_per_expert(num_experts: int, tokens: int = TOKENS) -> torch.Tensor:
 def expert_inputs(kind: str, dim0: int, step: int):
     """(x, routing args, loss weights), the same on every rank."""
     gen = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(TOKENS, DIM, generator=gen)
-    target = torch.randn(TOKENS, DIM, generator=gen)
-    routing = (tokens_per_expert(dim0),) if kind in ("routed", "for_loop") else ()
+    dim = TINY_DIM if kind == "tiny_routed" else DIM
+    x = torch.randn(TOKENS, dim, generator=gen)
+    target = torch.randn(TOKENS, dim, generator=gen)
+    routing = (tokens_per_expert(dim0),) if kind in ("routed", "tiny_routed", "for_loop") else ()
     return x, routing, target
 
 
@@ -103,4 +108,5 @@ def fsdp_cases(world_size: int) -> list[dict]:
     cases += [_case("grouped_shared", 1, combo) for combo in _COMBOS]
     cases += [_case("linear_shared", HIDDEN, combo) for combo in _COMBOS[:2]]
     cases += [_case("for_loop", 3, combo) for combo in _COMBOS[2:]]
+    cases += [_case("tiny_routed", 2, _COMBOS[0])]  # world sizes above every weight dim
     return cases

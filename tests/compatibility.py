@@ -1,0 +1,111 @@
+"""The table of docs/compatibility.md, with the tests behind each row.
+
+    python tests/compatibility.py > docs/compatibility.md
+
+tests/test_compatibility_doc.py fails when the file differs from this table or when a row names
+a test that does not exist, so the document cannot drift from the tests (which CI runs).
+"""
+
+WORKS, REFUSED, GPU_ONLY = "works", "refused at start-up", "GPU only, not in CI"
+
+# (composition, status, what is checked, tests)
+ROWS = [
+    ("Activation checkpointing `none`, `selective` op, `selective` layer, `full`", WORKS,
+     "trainer losses equal the default run's within 1e-4",
+     ["test_train.py::test_composition_trains_with_the_same_losses"]),
+    ("`fsdp_reshard_after_forward` `default`, `always`, `never`", WORKS,
+     "trainer losses equal the default run's within 1e-4",
+     ["test_train.py::test_composition_trains_with_the_same_losses"]),
+    ("HSDP (`data_parallel_replicate_degree` x `data_parallel_shard_degree`)", WORKS,
+     "2 x 2 on 4 ranks trains; the plan shards over the shard dim only",
+     ["test_train.py::test_hsdp_replicate_x_shard"]),
+    ("Pipeline parallelism (`pipeline_parallel_degree`), with FSDP", WORKS,
+     "PP 2 x FSDP 2, 1F1B: losses within 0.01 of bf16 PP",
+     ["test_train.py::test_pipeline_parallel_with_fsdp_tracks_bf16"]),
+    ("Expert parallelism (`expert_parallel_degree` > 1)", REFUSED,
+     "error names the option; the EP shard plan (incl. dim-1 sharding) is computed and tested",
+     ["test_converter.py::test_unsupported_parallelism_is_refused_at_start_up",
+      "test_converter.py::test_shard_plan_with_expert_parallelism"]),
+    ("Tensor parallelism (`tensor_parallel_degree` > 1)", REFUSED, "error names the option",
+     ["test_converter.py::test_unsupported_parallelism_is_refused_at_start_up"]),
+    ("`quantize.linear.float8` / `quantize.linear.mx` on the dense layers", WORKS,
+     "both converters run once the shared experts are in their `filter_fqns`; a FeedForward "
+     "claimed by both is refused",
+     ["test_converter.py::test_float8_linear_converter_claiming_shared_experts_is_refused"]),
+    ("torch.compile (torchtitan's per-block `fullgraph=True`)", WORKS,
+     "compiled = eager exactly (experts); trainer within 0.005 (whole model)",
+     ["test_compile.py::test_compiled_experts_equal_eager",
+      "test_train.py::test_default_config_trains_stock_llama4_eager_and_compiled"]),
+    ("Any FSDP world size, uneven dim 0 (the seed: `[1, H, D]` on 8 ranks)", WORKS,
+     "sharded = unsharded within 1e-5 at world 1-8; plan = FSDP2's chunking (hypothesis)",
+     ["test_fsdp_uneven.py::test_uneven_fsdp_matches_unsharded",
+      "test_fsdp_uneven.py::test_seed_shape_pads_seven_of_eight_ranks",
+      "test_shard_properties.py::test_plan_and_all_gather_padding_match_fsdp_chunking",
+      "test_train.py::test_seed_layout_trains_on_8_ranks"]),
+    ("World size larger than every weight dimension", WORKS,
+     "`tiny_routed` weights `[2, 6, 4]` at world sizes 1-8 (8 exceeds every dim)",
+     ["test_fsdp_uneven.py::test_uneven_fsdp_matches_unsharded"]),
+    ("Gradient accumulation", WORKS, "2 micro-batches a step in every FSDP case",
+     ["test_fsdp_uneven.py::test_uneven_fsdp_matches_unsharded"]),
+    ("`cache_fp8_weights` (fp8 weight cache)", WORKS,
+     "one quantization per orientation per step; bit-identical results; trainer losses equal",
+     ["test_weight_cache.py::test_cache_quantizes_each_weight_once_per_step",
+      "test_weight_cache.py::test_cache_follows_in_place_changes_and_clears",
+      "test_train.py::test_composition_trains_with_the_same_losses"]),
+    ("Checkpoint resume, and a killed run", WORKS,
+     "resumes from the last checkpoint on disk with the uninterrupted run's losses",
+     ["test_train.py::test_resume_from_checkpoint_matches_uninterrupted",
+      "test_train.py::test_killed_run_resumes_from_its_last_checkpoint"]),
+    ("Checkpoint written at 8 ranks, loaded at 3 or 2", WORKS,
+     "same loss on a fixed batch; torchtitan resumes at 3 ranks with "
+     "`--checkpoint.exclude_from_loading=dataloader` (it cannot reshard the data loader)",
+     ["test_train.py::test_checkpoint_from_8_ranks_gives_the_same_loss_at_3_and_2",
+      "test_train.py::test_training_resumes_at_3_ranks_from_an_8_rank_checkpoint"]),
+    ("Checkpoint loaded without the plugin", WORKS, "plain float32 tensors, identical values",
+     ["test_train.py::test_checkpoints_hold_plain_tensors_and_load_either_way"]),
+    ("Unknown `recipe`; `fqns` matching nothing; no `[float8_moe]` section", REFUSED,
+     "error names the value and what to set",
+     ["test_converter.py::test_bad_recipe_is_a_clear_error",
+      "test_converter.py::test_unmatched_fqns_name_the_modules_looked_at",
+      "test_converter.py::test_missing_config_section_is_a_clear_error"]),
+    ("Token groups of zero tokens", WORKS, "an empty expert in every routed FSDP case",
+     ["test_fsdp_uneven.py::test_uneven_fsdp_matches_unsharded"]),
+    ("NaN / Inf in activations or weights", WORKS,
+     "only the affected row / column is non-finite, everything else exact; the loss is NaN",
+     ["test_numerics.py::test_non_finite_activation_poisons_only_its_row",
+      "test_numerics.py::test_non_finite_weight_poisons_only_its_output_column",
+      "test_numerics.py::test_non_finite_weight_gives_a_nan_loss_in_llama4"]),
+    ("A matmul form without an fp8 path; fp8 kernels missing", REFUSED,
+     "raises instead of running in bf16",
+     ["test_numerics.py::test_unsupported_call_form_raises_instead_of_bf16",
+      "test_numerics.py::test_non_emulated_weight_without_fp8_kernels_raises"]),
+    ("Real fp8 kernels on CUDA (sm89+), torch.compile on GPU, 2 GPUs over NCCL", GPU_ONLY,
+     "run on H200s; results and commands in docs/benchmarks/README.md",
+     ["test_cuda.py::test_cuda_kernels_match_emulation",
+      "test_cuda.py::test_rowwise_kernel_matches_the_torch_rules"]),
+    ("Token counts not a multiple of 16 on CUDA", GPU_ONLY,
+     "the converter sets torchtitan's token-group alignment to 16, so torchtitan pads the "
+     "routed groups; not exercised apart from the runs above", []),
+]
+
+
+def render() -> str:
+    lines = [
+        "# Compatibility",
+        "",
+        "Generated from `tests/compatibility.py` (`python tests/compatibility.py > "
+        "docs/compatibility.md`);",
+        "`tests/test_compatibility_doc.py` checks that this file matches it and that every test "
+        "named here exists. CI runs them all on CPU (emulated fp8, gloo).",
+        "",
+        "| composition | status | what is checked | tests |",
+        "|---|---|---|---|",
+    ]
+    for composition, status, checked, tests in ROWS:
+        names = "<br>".join(f"`{t}`" for t in tests) or "-"
+        lines.append(f"| {composition} | {status} | {checked} | {names} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
