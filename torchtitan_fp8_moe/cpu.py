@@ -112,6 +112,9 @@ def _set_pg_timeouts(timeout, parallel_dims) -> None:
         torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+_original_destroy_process_group = torch.distributed.destroy_process_group
+
+
 def _exit_after_training(group=None) -> None:
     """Stands in for ``destroy_process_group``, which torchtitan calls once training succeeded:
     every rank meets at a barrier, then the process exits with status 0 without tearing gloo
@@ -126,9 +129,6 @@ def _exit_after_training(group=None) -> None:
         logging.shutdown()
         os._exit(0)
     _original_destroy_process_group(group)
-
-
-_original_destroy_process_group = torch.distributed.destroy_process_group
 
 
 def _disable_fsdp_gradient_division_with_sums(model: torch.nn.Module) -> None:

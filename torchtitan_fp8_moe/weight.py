@@ -201,10 +201,7 @@ class Float8MoEWeight(torch.Tensor):
             padded = data.new_zeros(padded_shape)
             padded[: data.shape[0]].copy_(data)
             data = padded
-        # The shard's cache and data travel in the metadata: the unsharded weight shares the
-        # cache, which the optimizer's in-place update of the shard clears, and keys on the
-        # shard's version rather than on the all-gather buffer, which is refilled every use.
-        return (data,), (tuple(outer_size), self._cache, self._data)
+        return (data,), tuple(outer_size)
 
     def fsdp_post_all_gather(
         self,
@@ -215,7 +212,7 @@ class Float8MoEWeight(torch.Tensor):
         out: torch.Tensor | None = None,
     ):
         (gathered,) = all_gather_outputs
-        logical_shape, shard_cache, shard_data = metadata
+        logical_shape = metadata
         # Dim-0 sharding gathers world * rows_per_rank rows: narrow off the padding. Other shard
         # dims arrive in the logical layout, where the narrow is a no-op.
         data = gathered.view(-1, *logical_shape[1:]).narrow(0, 0, logical_shape[0])
@@ -227,10 +224,10 @@ class Float8MoEWeight(torch.Tensor):
                     "all-gather output; FSDP's buffer reuse changed"
                 )
             return
-        unsharded = Float8MoEWeight(data, self.emulate)
-        unsharded.cache_fp8, unsharded._cache = self.cache_fp8, shard_cache
-        unsharded._version_source = shard_data
-        return unsharded, (gathered,)
+        # FSDP2 calls both hooks on the local shard (self). The unsharded weight shares the
+        # shard's fp8 cache and version source: the optimizer's in-place update of the shard
+        # clears it, the all-gather refills of the unsharded buffer do not.
+        return self._same_value(data), (gathered,)
 
 
 def _grouped_mm(a, weight, offs=None, bias=None, out_dtype=None):
