@@ -23,12 +23,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from torchtitan_fp8_moe.fp8.sqnr import sqnr as fp8_sqnr
+
 DIM, HIDDEN, EXPERTS = 5120, 8192, 16
 
 
 def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    ref, actual = ref.double(), actual.double()
-    return round((20 * torch.log10(ref.norm() / (ref - actual).norm())).item(), 2)
+    return round(fp8_sqnr(ref, actual), 2)
 
 
 def _to_torchao(module: nn.Module) -> nn.Module:

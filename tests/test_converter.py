@@ -157,7 +157,7 @@ def test_float8_linear_converter_claiming_shared_experts_is_refused():
 def test_shard_plan_with_expert_parallelism():
     """torchtitan's rule with EP: routed experts split over EP, FSDP over the rest (efsdp), on
     dim 1 once efsdp x EP exceeds the expert count; shared experts over all FSDP ranks."""
-    from torchtitan_fp8_moe.converter import plan_expert_weight
+    from torchtitan_fp8_moe.sharding import plan_expert_weight
 
     dims = _parallel_dims(world_size=8, ep=2)  # efsdp = 8 / 2 = 4; 4 x 2 <= 16 experts
     row = plan_expert_weight("w1", (16, 512, 256), dims, True, 2, "emulated")

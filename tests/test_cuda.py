@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, fp8_kernels_available
 
 if not (torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda"))):
@@ -24,10 +25,6 @@ def _grouped_shared(x, w):
 
 def _linear(x, w):
     return F.linear(x, w)
-
-
-def _sqnr(ref, actual):
-    return (20 * torch.log10(ref.float().norm() / (ref.float() - actual.float()).norm())).item()
 
 
 @pytest.mark.parametrize(
@@ -54,7 +51,7 @@ def test_cuda_kernels_match_emulation(forward, shape, dtype):
         results.append((out, xi.grad, weight.grad))
     for emulated, cuda in zip(*results):
         assert cuda.dtype == emulated.dtype == dtype
-        assert _sqnr(emulated, cuda) > 35
+        assert sqnr(emulated, cuda) > 35
 
 
 @pytest.mark.parametrize(

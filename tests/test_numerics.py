@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.fp8 import FP8_MAX, dequantize, quantize_rowwise, rowwise_scales
 from torchtitan_fp8_moe.weight import Float8MoEWeight
 
@@ -19,11 +20,6 @@ OUT_DB, INPUT_GRAD_DB, WEIGHT_GRAD_DB = 23.0, 28.0, 21.0
 NOT_FP8_DB = 40.0
 # Llama4 Scout is D=5120, H=8192, 16 experts; scaled to CPU keeping the aspect ratio.
 DIM, HIDDEN, EXPERTS, TOKENS = 320, 512, 4, 1024
-
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    ref, actual = ref.double(), actual.double()
-    return (20 * torch.log10(ref.norm() / (ref - actual).norm())).item()
 
 
 def _fp8_and_reference(weight_shape, forward, x):

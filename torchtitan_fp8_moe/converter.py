@@ -4,6 +4,7 @@
 import torch
 import torch._inductor.config
 import torch.nn as nn
+from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.moe.utils import set_token_group_alignment_size_m
@@ -12,7 +13,7 @@ from torchtitan.tools.logging import logger
 
 from .config import SUPPORTED_RECIPES, Float8MoE
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
-from .sharding import ShardPlanRow, format_plan, plan_weight
+from .sharding import ShardPlanRow, format_plan, plan_expert_weight
 from .swap import expert_modules, is_grouped_experts, swap_expert_weights
 from .weight import fp8_kernels_available
 
@@ -21,31 +22,6 @@ _LINEAR_CONVERTERS = {
     "quantize.linear.float8": lambda job_config: job_config.quantize.linear.float8.filter_fqns,
     "quantize.linear.mx": lambda job_config: job_config.quantize.linear.mx.filter_fqns,
 }
-# fp8 tensor-core GEMMs need 16-element multiples: on K and N of every weight, and on the
-# token groups of the routed experts, which torchtitan pads to this alignment.
-_FP8_ALIGNMENT = 16
-
-
-def plan_expert_weight(
-    fqn: str,
-    shape: tuple[int, ...],
-    dims: ParallelDims,
-    is_routed: bool,
-    itemsize: int,
-    path: str,
-) -> ShardPlanRow:
-    """How torchtitan's Llama4 parallelization will FSDP-shard one expert weight."""
-    shape = list(shape)
-    shard_dim = 0
-    degree = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-    if is_routed and dims.ep_enabled:
-        # Routed experts: EP splits the experts, FSDP shards them over the rest (efsdp), on
-        # dim 1 when that leaves fewer experts than FSDP ranks (torchtitan's rule).
-        degree = dims.dp_shard * dims.cp * dims.tp // (dims.etp * dims.ep)
-        if degree * dims.ep > shape[0]:
-            shard_dim = 1
-        shape[0] //= dims.ep
-    return plan_weight(fqn, tuple(shape), degree, shard_dim, itemsize, path)
 
 
 class Float8MoEConverter:
@@ -93,7 +69,7 @@ class Float8MoEConverter:
         elif fp8_kernels_available(torch.device("cuda", torch.cuda.current_device())):
             self.path = "cuda"
             self.path_reason = "fp8 tensor cores"
-            set_token_group_alignment_size_m(_FP8_ALIGNMENT)
+            set_token_group_alignment_size_m(FP8_GROUP_ALIGNMENT_SIZE)
         else:
             raise ValueError(
                 "float8_moe: this GPU has no fp8 tensor cores (they need sm89+); set "
@@ -143,10 +119,10 @@ class Float8MoEConverter:
         if self.emulate:
             return
         k, n = param.shape[-1], param.shape[-2]
-        if k % _FP8_ALIGNMENT or n % _FP8_ALIGNMENT:
+        if k % FP8_GROUP_ALIGNMENT_SIZE or n % FP8_GROUP_ALIGNMENT_SIZE:
             raise ValueError(
                 f"float8_moe: {fqn} has shape {list(param.shape)}; fp8 kernels need both matrix "
-                f"dims to be multiples of {_FP8_ALIGNMENT}. Leave it out of float8_moe.fqns."
+                f"dims to be multiples of {FP8_GROUP_ALIGNMENT_SIZE}. Leave it out of float8_moe.fqns."
             )
 
     def _plan(self, fqn: str, param: torch.Tensor, is_routed: bool) -> ShardPlanRow:

@@ -10,8 +10,12 @@ use these functions, so they cannot disagree.
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torchtitan.distributed import ParallelDims
 
 
 def rows_per_rank(dim_size: int, world_size: int) -> int:
@@ -102,3 +106,25 @@ def format_plan(rows: list[ShardPlanRow]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def plan_expert_weight(
+    fqn: str,
+    shape: tuple[int, ...],
+    dims: "ParallelDims",
+    is_routed: bool,
+    itemsize: int,
+    path: str,
+) -> ShardPlanRow:
+    """How torchtitan's Llama4 parallelization will FSDP-shard one expert weight."""
+    shape = list(shape)
+    shard_dim = 0
+    degree = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    if is_routed and dims.ep_enabled:
+        # Routed experts: EP splits the experts, FSDP shards them over the rest (efsdp), on
+        # dim 1 when that leaves fewer experts than FSDP ranks (torchtitan's rule).
+        degree = dims.dp_shard * dims.cp * dims.tp // (dims.etp * dims.ep)
+        if degree * dims.ep > shape[0]:
+            shard_dim = 1
+        shape[0] //= dims.ep
+    return plan_weight(fqn, tuple(shape), degree, shard_dim, itemsize, path)
