@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan_fp8_moe.fp8 import torch_quantize
 from torchtitan_fp8_moe.fp8.weight_cache import clear_all
 from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
+from torchtitan_fp8_moe.weight import Float8MoEWeight
 
 MICRO_BATCHES, STEPS, EXPERTS = 2, 3, 4
 
@@ -93,3 +94,92 @@ def test_cache_follows_in_place_changes_and_clears():
     assert len(cache) > 0
     clear_all()
     assert len(cache) == 0
+
+
+def _cached_and_fresh(kind: str = "linear_shared"):
+    """The same converted module twice: with the fp8 cache, and without (the reference)."""
+    modules = []
+    for cache_fp8 in (True, False):
+        module = build_expert_module(kind, EXPERTS)
+        for _, expert in expert_modules(module):
+            swap_expert_weights(expert, emulate=True, cache_fp8=cache_fp8)
+        modules.append(module)
+    x, routing, _ = expert_inputs(kind, EXPERTS, 0)
+    return modules, (x.bfloat16(), *routing)
+
+
+WRITES = {
+    "out=": lambda w: torch.mul(w, 2, out=w),
+    "copy_": lambda w: w.copy_(w.detach() * 2),
+    "view mul_": lambda w: w.transpose(0, 1).mul_(2),
+    "foreach": lambda w: torch._foreach_mul_([w], 2),
+    "plain data (state dict)": lambda w: w._data.mul_(2),
+}
+
+
+@pytest.mark.parametrize("write", WRITES)
+def test_cache_never_serves_a_stale_copy_after_a_write(write):
+    """Forward (fills the cache), write into a weight in place, forward again: the output equals
+    a module without the cache that had the same write, and differs from the first output."""
+    (cached, fresh), inputs = _cached_and_fresh()
+    first = cached(*inputs)
+    with torch.no_grad():
+        for module in (cached, fresh):
+            WRITES[write](module.expert.w2.weight)
+    second = cached(*inputs)
+    assert not torch.equal(first, second)
+    assert torch.equal(second, fresh(*inputs))
+
+
+def test_cache_after_a_checkpoint_load(tmp_path):
+    """DCP load after a forward: the next forward uses the loaded weights."""
+    import torch.distributed.checkpoint as dcp
+
+    (cached, fresh), inputs = _cached_and_fresh("routed")
+    dcp.save(fresh.state_dict(), checkpoint_id=str(tmp_path))
+    with torch.no_grad():
+        for p in cached.parameters():
+            p.mul_(3)
+    stale = cached(*inputs)
+    state = cached.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    cached.load_state_dict(state)
+    loaded = cached(*inputs)
+    assert not torch.equal(stale, loaded)
+    assert torch.equal(loaded, fresh(*inputs))
+
+
+def test_cache_keys_on_device():
+    """A copy on another device is quantized there, never served the CPU copy."""
+    (cached, _), inputs = _cached_and_fresh()
+    cached(*inputs)
+    w = cached.expert.w1.weight
+    on_meta = torch.nn.functional.linear(inputs[0].to("meta"), w.to("meta"))
+    assert on_meta.device.type == "meta"
+    assert on_meta.shape == (inputs[0].shape[0], w.shape[0])
+
+
+def test_copies_share_a_cache_until_one_is_written():
+    """Two casts of the weight made in one step share their fp8 copies (one quantization);
+    a write into one cast detaches it, so neither serves the other a stale copy."""
+    (cached, _), inputs = _cached_and_fresh()
+    w = cached.expert.w1.weight
+    x = inputs[0]
+    a, b = w.float(), w.float()
+    torch.nn.functional.linear(x, a)
+    before = w._cache.quantizations
+    torch.nn.functional.linear(x, b)
+    assert w._cache.quantizations == before
+    with torch.no_grad():
+        b.mul_(2)
+    expected = torch.nn.functional.linear(x, Float8MoEWeight(b._data.clone(), emulate=True))
+    assert torch.equal(torch.nn.functional.linear(x, b), expected)
+    assert torch.equal(
+        torch.nn.functional.linear(x, a),
+        torch.nn.functional.linear(x, Float8MoEWeight(a._data.clone(), emulate=True)),
+    )
+    c = w.float()  # a new copy after the write: a fresh cache, the weight's own values
+    assert torch.equal(
+        torch.nn.functional.linear(x, c),
+        torch.nn.functional.linear(x, Float8MoEWeight(w._data.float(), emulate=True)),
+    )

@@ -60,11 +60,12 @@ def swap_expert_weights(
         setattr(owner, attr, new_param)
         swapped.append((name, new_param))
     module.register_state_dict_post_hook(_plain_state_dict)
+    module.register_load_state_dict_post_hook(_invalidate_fp8_caches)
     return swapped
 
 
 def _plain(tensor):
-    if isinstance(tensor, DTensor) and isinstance(tensor.to_local(), Float8MoEWeight):
+    if isinstance(tensor, DTensor) and isinstance(_local(tensor), Float8MoEWeight):
         return DTensor.from_local(
             tensor.to_local()._data,
             tensor.device_mesh,
@@ -74,6 +75,19 @@ def _plain(tensor):
             stride=tensor.stride(),
         )
     return tensor._data if isinstance(tensor, Float8MoEWeight) else tensor
+
+
+def _local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _invalidate_fp8_caches(module, incompatible_keys) -> None:
+    """A checkpoint was loaded into ``module``: its weights' fp8 copies are stale. (The load's
+    in-place copies already invalidate them; this also covers writes that bypass the weights.)"""
+    for param in module.parameters():
+        weight = _local(param)
+        if isinstance(weight, Float8MoEWeight) and weight._cache is not None:
+            weight._cache.invalidate()
 
 
 def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:

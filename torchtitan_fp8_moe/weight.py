@@ -1,18 +1,31 @@
 """The expert weight tensor: high-precision storage, fp8 rowwise matmuls, FSDP2-safe all-gather.
 
-``Float8MoEWeight`` wraps a plain weight. Every op that only moves or reshapes the weight (views,
-copies, FSDP's sharding ops, dtype casts) keeps the wrapper, so the fp8 routing survives
-``w.bfloat16().transpose(-2, -1)``, ``w[i]`` and FSDP's chunking. Every matmul it is the right
-operand of runs in fp8 rowwise (``fp8/``); a matmul form we do not implement raises instead of
-quietly running in high precision. Optimizer states, gradients and anything else computed from the
-weight come out as plain tensors.
+``Float8MoEWeight`` wraps a plain weight. Every matmul it is the right operand of runs in fp8
+rowwise (``fp8/``); no op ever hands its values to a high-precision matmul. What an op does to the
+wrapper is decided from the op's schema and tags (``_dispatch_kind``), so a new op falls on the
+safe side:
+- views and aliases (``func.is_view``, or a return that aliases an input: ``squeeze``, ``unbind``,
+  ``expand``, ``t``, FSDP's chunks) stay wrapped and share the weight's fp8 cache;
+- copies (``_to_copy``, ``clone``, ``*_copy`` ops) stay wrapped, with a cache of their own;
+- pointwise ops (``w * 2``, an optimizer's ``grad + wd * w``) give a new wrapped weight, so what is
+  computed from the weight is still multiplied in fp8 only;
+- ops that write into an argument (in-place, ``out=``, ``copy_``, foreach) run on the plain data;
+  a written weight drops its cached fp8 copies;
+- results that cannot be a matmul operand (bool or integer tensors, 0-dim statistics such as
+  ``w.norm()``, Python scalars) come out plain;
+- everything else with a floating-point result (matmuls below ``__torch_function__``,
+  convolutions, non-scalar reductions, ``cat``, ``index_select``, collectives) raises.
+``high_precision()`` is the explicit, differentiable way to compute with the plain values.
 """
 
-from typing import Any, Callable
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch._prims_common import suggest_memory_format
+from torch.distributed.tensor import DTensor
 
 from .fp8 import fp8_batched_mm, fp8_grouped_mm, fp8_matmul
 from .fp8.weight_cache import CachedWeightQuantizer, WeightQuantCache
@@ -20,42 +33,79 @@ from .sharding import padded_shard_shape
 
 aten = torch.ops.aten
 
-# Ops whose result is still the same weight, moved, viewed or re-typed: keep it wrapped. Views and
-# casts hold the same values as their source, so they also share its fp8 cache.
-_SAME_VALUE_OPS = {
-    aten.detach.default,
-    aten.alias.default,
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.as_strided.default,
-    aten.slice.Tensor,
-    aten.select.int,
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.transpose.int,
-    aten.t.default,
-    aten.permute.default,
-    aten.unsqueeze.default,
-    aten._to_copy.default,
-}
-_WRAPPED_RESULT_OPS = _SAME_VALUE_OPS | {
-    aten.clone.default,
-    aten._pin_memory.default,
-    aten.empty_like.default,
-    aten.new_zeros.default,
-    aten.new_empty.default,
-    aten.new_empty_strided.default,
-}
 
-# Matmuls that must never see the wrapper at dispatch level: reaching them means a call form
-# bypassed __torch_function__ and would run in high precision.
-_HIGH_PRECISION_MATMULS = {
-    aten.mm.default,
-    aten.bmm.default,
-    aten.addmm.default,
-    aten.baddbmm.default,
-    aten._grouped_mm.default,
+class _Kind(Enum):
+    MATMUL = "matmul"  # a contraction reached below __torch_function__: refuse
+    METADATA_MUTATION = "metadata mutation"  # in-place view ops: the wrapper cannot follow
+    MUTATION = "mutation"
+    VIEW = "view"
+    COPY = "copy"
+    NEW_WEIGHT = "new weight"  # storage that becomes a weight (FSDP shards, to_empty)
+    UNRELATED_VALUES = "unrelated values"  # takes only the shape: optimizer states
+    POINTWISE = "pointwise"
+    OTHER = "other"
+
+
+# Contractions that must never see the wrapper at dispatch level: reaching them means a call form
+# bypassed __torch_function__. (Any other op with a floating-point result raises too; this set
+# only gives the clearer message.)
+_MATMULS = {
+    aten.mm, aten.bmm, aten.addmm, aten.addbmm, aten.baddbmm, aten._grouped_mm, aten.mv,
+    aten.addmv, aten.dot, aten.vdot, aten._scaled_mm, aten._scaled_grouped_mm,
+    aten.convolution, aten._convolution,
 }
+# Storage that FSDP2 (new_zeros: the padded shard) and Module.to_empty (empty_like) turn into the
+# weight itself.
+_NEW_WEIGHT_OPS = {aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.new_zeros}
+# Values that do not come from the weight's: optimizer states (zeros_like, full_like) stay plain.
+_UNRELATED_VALUE_OPS = {
+    aten.zeros_like, aten.ones_like, aten.full_like, aten.new_ones, aten.new_full,
+    aten.rand_like, aten.randn_like, aten.randint_like,
+}
+# Not views by schema, but alias their input's storage.
+_ALIASING_OPS = {aten._unsafe_view}
+_COPY_OPS = {aten._to_copy, aten.clone, aten._pin_memory}
+
+
+def _dispatch_kind(func) -> _Kind:
+    packet = func.overloadpacket
+    if packet in _MATMULS:
+        return _Kind.MATMUL
+    tags = func.tags
+    if torch.Tag.inplace_view in tags and packet is not aten.detach_:
+        return _Kind.METADATA_MUTATION
+    if func._schema.is_mutable:
+        return _Kind.MUTATION
+    if func.is_view or packet in _ALIASING_OPS or any(
+        r.alias_info is not None for r in func._schema.returns
+    ):
+        return _Kind.VIEW
+    if packet in _COPY_OPS or torch.Tag.view_copy in tags:
+        return _Kind.COPY
+    if packet in _NEW_WEIGHT_OPS:
+        return _Kind.NEW_WEIGHT
+    if packet in _UNRELATED_VALUE_OPS:
+        return _Kind.UNRELATED_VALUES
+    if torch.Tag.pointwise in tags or packet.__name__.startswith("_foreach_"):
+        return _Kind.POINTWISE
+    return _Kind.OTHER
+
+
+def _written_arguments(func, args, kwargs) -> list[Any]:
+    """The arguments an op writes into, from its schema's alias annotations (``Tensor(a!)``)."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if argument.name in kwargs:
+            written.append(kwargs[argument.name])
+        elif index < len(args) and not argument.kwarg_only:
+            written.append(args[index])
+    return pytree.tree_leaves(written)
+
+
+def _could_feed_a_matmul(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
 
 
 def fp8_kernels_available(device: torch.device) -> bool:
@@ -78,11 +128,10 @@ class _Unwrap(torch.autograd.Function):
 class Float8MoEWeight(torch.Tensor):
     _data: torch.Tensor
     emulate: bool
-    # With cache_fp8: the fp8 copies shared by this weight and every view or cast of it, valid
-    # while _version_source (the tensor the optimizer updates in place) is unchanged.
     cache_fp8: bool
+    # With cache_fp8: the fp8 copies shared by this weight and every view of it
+    # (fp8/weight_cache.py says when they are valid).
     _cache: WeightQuantCache | None
-    _version_source: torch.Tensor
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, emulate: bool, cache_fp8: bool = False):
@@ -102,15 +151,41 @@ class Float8MoEWeight(torch.Tensor):
         self._data = data
         self.emulate = emulate
         self.cache_fp8 = cache_fp8
-        self._cache = WeightQuantCache() if cache_fp8 else None
-        self._version_source = data
+        self._cache = None
+        if cache_fp8:
+            self._cache = WeightQuantCache()
+            self._cache.watch(data)
 
-    def _same_value(self, data: torch.Tensor) -> "Float8MoEWeight":
-        """A view or cast of this weight: same settings, same fp8 cache."""
+    def _derived(
+        self, data: torch.Tensor, cache: WeightQuantCache | None, watch: bool = True
+    ) -> "Float8MoEWeight":
+        """A weight computed from this one: same settings, the given fp8 cache, which treats a
+        write into ``data`` as a change of the values if ``watch``."""
         derived = Float8MoEWeight(data, self.emulate)
-        derived.cache_fp8, derived._cache = self.cache_fp8, self._cache
-        derived._version_source = self._version_source
+        derived.cache_fp8, derived._cache = self.cache_fp8, cache
+        if cache is not None and watch:
+            cache.watch(data)
         return derived
+
+    def _view(self, data: torch.Tensor) -> "Float8MoEWeight":
+        """A view of this weight (same values): it shares the fp8 cache."""
+        return self._derived(data, self._cache)
+
+    def _copy(self, data: torch.Tensor) -> "Float8MoEWeight":
+        """A cast or clone of this weight: its cache is shared with other copies of the same
+        kind made while this weight is unchanged."""
+        if self._cache is None:
+            return self._derived(data, None)
+        kind = (
+            data.dtype, data.device, data.shape, data.stride(),
+            self.shape, self.stride(), self.storage_offset(),
+        )
+        return self._derived(data, self._cache.cache_of_copy(kind))
+
+    def high_precision(self) -> torch.Tensor:
+        """The plain high-precision values, differentiable: for math that is meant to run in
+        high precision (a regularizer, a statistic). Nothing computed from it is fp8."""
+        return _Unwrap.apply(self)
 
     def __repr__(self) -> str:
         return (
@@ -131,7 +206,7 @@ class Float8MoEWeight(torch.Tensor):
         # Compiled graphs quantize inline: a Python-side cache would be baked into the trace.
         if self._cache is None or torch.compiler.is_compiling():
             return None
-        return CachedWeightQuantizer(self._cache, self._version_source)
+        return CachedWeightQuantizer(self._cache)
 
     def _uses_cuda_kernels(self) -> bool:
         if self.emulate:
@@ -161,32 +236,51 @@ class Float8MoEWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in _HIGH_PRECISION_MATMULS:
-            shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
+        kwargs = kwargs or {}
+        kind = _dispatch_kind(func)
+        weights = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls)]
+        shapes = [list(w.shape) for w in weights]
+        if kind is _Kind.MATMUL:
             raise NotImplementedError(
-                f"float8_moe: {func} on operands {shapes} reached a Float8MoEWeight below the "
-                "fp8 matmul overrides and would run in high precision; this call form is not "
-                "supported. Leave this module out of `float8_moe.fqns`."
+                f"float8_moe: {func} on a converted weight of shape {shapes[0]} reached a "
+                "matmul below the fp8 overrides and would run in high precision; this call form "
+                "is not supported. Supported: torch._grouped_mm, F.linear, matmul/mm/bmm/@ with "
+                "the weight as the right operand. Leave this module out of `float8_moe.fqns`."
             )
-        parent = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
-        in_place = func.overloadpacket.__name__.endswith("_")
-        if in_place:
-            # The weight is changing (optimizer step, checkpoint load): its fp8 copies are stale.
-            # This runs below autograd, where version counters do not move, so clear directly.
-            for mutated in pytree.tree_leaves(args[0]):
-                if isinstance(mutated, cls) and mutated._cache is not None:
-                    mutated._cache.clear()
-        unwrapped_args, unwrapped_kwargs = pytree.tree_map_only(
-            cls, lambda t: t._data, (args, kwargs or {})
-        )
-        out = func(*unwrapped_args, **unwrapped_kwargs)
-        if in_place and isinstance(args[0], cls):
-            return args[0]  # in-place: the wrapper itself was modified
-        if func in _SAME_VALUE_OPS:
-            return pytree.tree_map_only(torch.Tensor, parent._same_value, out)
-        if func in _WRAPPED_RESULT_OPS:
-            return pytree.tree_map_only(
-                torch.Tensor, lambda t: cls(t, parent.emulate, parent.cache_fp8), out
+        if kind is _Kind.METADATA_MUTATION:
+            raise NotImplementedError(
+                f"float8_moe: {func} changes the shape or strides of a converted weight "
+                f"{shapes[0]} in place, which it cannot follow; use the out-of-place op"
+            )
+        plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        if kind is _Kind.MUTATION:
+            # The written weights' fp8 copies are stale; hand back the wrappers themselves
+            # wherever the op returns a written argument (in-place and out= ops return it).
+            written = _written_arguments(func, args, kwargs)
+            for weight in written:
+                if isinstance(weight, cls) and weight._cache is not None:
+                    weight._cache.invalidate()
+            originals = {id(w._data): w for w in written if isinstance(w, cls)}
+            return pytree.tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), out)
+        source = weights[0]
+        if kind is _Kind.VIEW:
+            return _wrap_floats(out, source._view)
+        if kind is _Kind.COPY:
+            return _wrap_floats(out, source._copy)
+        if kind is _Kind.NEW_WEIGHT:
+            return _wrap_floats(out, lambda t: cls(t, source.emulate, source.cache_fp8))
+        if kind is _Kind.POINTWISE:
+            # 0-dim results are statistics (a foreach norm), not matmul operands.
+            return _wrap_floats(out, lambda t: cls(t, source.emulate), min_dim=1)
+        if kind is not _Kind.UNRELATED_VALUES and any(
+            _could_feed_a_matmul(t) for t in pytree.tree_leaves(out)
+        ):
+            raise NotImplementedError(
+                f"float8_moe: {func} on converted weights {shapes} would give a plain "
+                "floating-point tensor that could later multiply in high precision, and "
+                "float8_moe does not know this op. Use `weight.high_precision()` (differentiable) "
+                "where high precision is meant, or leave the module out of `float8_moe.fqns`."
             )
         return out
 
@@ -218,16 +312,33 @@ class Float8MoEWeight(torch.Tensor):
         data = gathered.view(-1, *logical_shape[1:]).narrow(0, 0, logical_shape[0])
         if out is not None:
             # Later steps: FSDP refills the same storage the unsharded weight already views.
-            if out._data.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
+            # (Under tensor parallelism the unsharded weight is a DTensor around the wrapper.)
+            unsharded = out.to_local() if isinstance(out, DTensor) else out
+            if (
+                unsharded._data.untyped_storage().data_ptr()
+                != gathered.untyped_storage().data_ptr()
+            ):
                 raise AssertionError(
                     f"float8_moe: unsharded weight {list(logical_shape)} does not view the "
                     "all-gather output; FSDP's buffer reuse changed"
                 )
+            # The shard may be a new tensor since the last gather (a checkpoint load with
+            # assign=True, to_empty): follow its cache.
+            unsharded._cache = self._cache
             return
-        # FSDP2 calls both hooks on the local shard (self). The unsharded weight shares the
-        # shard's fp8 cache and version source: the optimizer's in-place update of the shard
-        # clears it, the all-gather refills of the unsharded buffer do not.
-        return self._same_value(data), (gathered,)
+        # FSDP2 calls both hooks on the local shard (self). The unsharded weight holds the
+        # shards' values, so it shares the shard's fp8 cache: a write into the shard (optimizer
+        # step, checkpoint load) invalidates it, the all-gather's refills of the buffer do not.
+        return self._derived(data, self._cache, watch=False), (gathered,)
+
+
+def _wrap_floats(out: Any, wrap: Callable, min_dim: int = 0) -> Any:
+    """``wrap`` every floating-point tensor of ``out`` with at least ``min_dim`` dims."""
+    return pytree.tree_map_only(
+        torch.Tensor,
+        lambda t: wrap(t) if t.is_floating_point() and t.dim() >= min_dim else t,
+        out,
+    )
 
 
 def _grouped_mm(a, weight, offs=None, bias=None, out_dtype=None):
@@ -249,32 +360,58 @@ def _grouped_mm(a, weight, offs=None, bias=None, out_dtype=None):
     )
 
 
+def _unsupported_form(name: str, a: torch.Tensor, weight: torch.Tensor, supported: str):
+    return NotImplementedError(
+        f"float8_moe: {name} of {list(a.shape)} x converted weight {list(weight.shape)} is not "
+        f"supported in fp8; supported: {supported}"
+    )
+
+
 def _linear(x, weight, bias=None):
+    if weight.ndim != 2:
+        raise _unsupported_form("F.linear", x, weight, "a 2D weight [N, K]")
     out = fp8_matmul(
         x, _Unwrap.apply(weight).t(), weight._uses_cuda_kernels(), weight._cached_quantizer()
     )
     return out if bias is None else out + bias
 
 
-def _matmul(a, weight):
+def _batched(a, weight) -> bool:
+    return a.ndim == 3 and weight.ndim == 3 and a.shape[0] == weight.shape[0]
+
+
+def _fp8_matmul_of(a, weight):
     cuda = weight._uses_cuda_kernels()
     b = _Unwrap.apply(weight)
     cached = weight._cached_quantizer()
     if b.ndim == 2:
         return fp8_matmul(a, b, cuda, cached)
-    if a.ndim == 3 and b.ndim == 3:
-        return fp8_batched_mm(a, b, cuda, cached)
-    raise NotImplementedError(
-        f"float8_moe: matmul of {list(a.shape)} x {list(b.shape)} is not supported; "
-        "supported: [..., K] x [K, N] and [G, M, K] x [G, K, N]"
-    )
+    return fp8_batched_mm(a, b, cuda, cached)
+
+
+def _matmul(a, weight):
+    if not (weight.ndim == 2 and a.ndim >= 1) and not _batched(a, weight):
+        raise _unsupported_form("matmul", a, weight, "[..., K] x [K, N] and [G, M, K] x [G, K, N]")
+    return _fp8_matmul_of(a, weight)
+
+
+def _mm(a, weight):
+    if not (a.ndim == 2 and weight.ndim == 2):
+        raise _unsupported_form("mm", a, weight, "[M, K] x [K, N]")
+    return _fp8_matmul_of(a, weight)
+
+
+def _bmm(a, weight):
+    if not _batched(a, weight):
+        raise _unsupported_form("bmm", a, weight, "[G, M, K] x [G, K, N]")
+    return _fp8_matmul_of(a, weight)
 
 
 _MATMUL_HANDLERS: dict[str, Callable] = {
     "_grouped_mm": _grouped_mm,
     "linear": _linear,
     "matmul": _matmul,
-    "mm": _matmul,
-    "bmm": _matmul,
     "__matmul__": _matmul,
+    "mm": _mm,
+    "bmm": _bmm,
 }
