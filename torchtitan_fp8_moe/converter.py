@@ -23,6 +23,11 @@ _LINEAR_CONVERTERS = {
     "quantize.linear.mx": lambda job_config: job_config.quantize.linear.mx.filter_fqns,
 }
 
+# The device to plan the fp8 path for. None (the trainer): this machine's. "cuda" or "cpu" (the
+# preflight): a launch on that device, planned where it may be absent, with that path's checks;
+# the GPUs' fp8 support is not checked, as the model never runs.
+plan_target: str | None = None
+
 
 class Float8MoEConverter:
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
@@ -62,10 +67,14 @@ class Float8MoEConverter:
             if parallel_dims.fsdp_enabled
             else None
         )
-        self.emulate = config.emulate or not torch.cuda.is_available()
+        on_cuda = torch.cuda.is_available() if plan_target is None else plan_target == "cuda"
+        self.emulate = config.emulate or not on_cuda
         if self.emulate:
             self.path = "emulated"
             self.path_reason = "emulate = true" if config.emulate else "no CUDA device"
+        elif plan_target == "cuda":
+            self.path = "cuda"
+            self.path_reason = "planned for CUDA, fp8 support of the GPUs not checked"
         elif fp8_kernels_available(torch.device("cuda", torch.cuda.current_device())):
             self.path = "cuda"
             self.path_reason = "fp8 tensor cores"
@@ -122,7 +131,8 @@ class Float8MoEConverter:
         if k % FP8_GROUP_ALIGNMENT_SIZE or n % FP8_GROUP_ALIGNMENT_SIZE:
             raise ValueError(
                 f"float8_moe: {fqn} has shape {list(param.shape)}; fp8 kernels need both matrix "
-                f"dims to be multiples of {FP8_GROUP_ALIGNMENT_SIZE}. Leave it out of float8_moe.fqns."
+                f"dims to be multiples of {FP8_GROUP_ALIGNMENT_SIZE}. Leave it out of "
+                "float8_moe.fqns."
             )
 
     def _plan(self, fqn: str, param: torch.Tensor, is_routed: bool) -> ShardPlanRow:

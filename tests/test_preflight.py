@@ -1,0 +1,166 @@
+"""`python -m torchtitan_fp8_moe.preflight`: a launch's config, parallel dims and float8_moe
+checks and shard plan for N GPUs, on the meta device of a machine without them."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from expert_modules import build_expert_module
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
+
+from torchtitan_fp8_moe import converter as converter_module
+from torchtitan_fp8_moe.converter import Float8MoEConverter
+from torchtitan_fp8_moe.preflight import main, planning_for
+
+REPO = Path(__file__).resolve().parent.parent
+SEED_CONFIG = "train_configs/llama4_grouped_shared_debug.toml"
+SCOUT_CONFIG = "train_configs/llama4_17bx16e.toml"
+
+
+def _preflight_process(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torchtitan_fp8_moe.preflight", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+
+
+def _preflight(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def _rows(pattern: str, out: str) -> list[str]:
+    return re.findall(pattern, out, flags=re.MULTILINE)
+
+
+def test_seed_config_at_8_ranks_prints_the_padding_plan():
+    """The seed bug's layout: ranks 1-7 hold only padding of every [1, ...] shared-expert
+    weight; the 8 routed experts split one per rank."""
+    proc = _preflight_process("--config", SEED_CONFIG, "--ngpu", "8")
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "world size 8 = dp_replicate 1 x dp_shard 8 x cp 1 x tp 1 x pp 1" in out
+    assert "FSDP degree 8 (dp_shard x cp), ep 1, etp 1" in out
+    # columns: FQN, logical shape, FSDP degree, shard dim, rows/rank, padding-only ranks,
+    # padding bytes (7 zero rows of 512 x 256 bf16), fp8 path
+    shared = _rows(r"^layers\.\d+\.moe\.shared_expert\.w[13] +\[1, 512, 256\] +8 +0 +1 +7 "
+                   r"+1835008 +cuda$", out)
+    shared += _rows(r"^layers\.\d+\.moe\.shared_expert\.w2 +\[1, 256, 512\] +8 +0 +1 +7 "
+                    r"+1835008 +cuda$", out)
+    routed = _rows(r"^layers\.\d+\.moe\.experts\.w\d +\[8, (512, 256|256, 512)\] +8 +0 +1 +0 "
+                   r"+0 +cuda$", out)
+    assert (len(shared), len(routed)) == (9, 9), out
+    assert "totals: 18 converted weights, 16515072 padding bytes (15.8 MiB)" in out
+    assert out.rstrip().splitlines()[-1].startswith("preflight OK")
+
+
+def test_scout_at_64_ranks_plans_in_seconds(capsys):
+    """Full-size Llama4 Scout (108B parameters) on 64 ranks, planned on the meta device: 16
+    experts leave 48 ranks with only padding; the 8192 x 5120 shared experts split evenly. The
+    config's hf assets are not on this machine: said, and not needed."""
+    started = time.perf_counter()
+    rc, out, err = _preflight(
+        capsys, "--config", SCOUT_CONFIG, "--ngpu", "64",
+        # the config's own degrees today; kept explicit so the case stays a passing one
+        "--parallelism.tensor_parallel_degree=1", "--parallelism.expert_tensor_parallel_degree=1",
+        "--parallelism.data_parallel_shard_degree=-1",
+    )
+    seconds = time.perf_counter() - started
+    assert rc == 0, out + err
+    assert "world size 64 = dp_replicate 1 x dp_shard 64 x cp 1 x tp 1 x pp 1" in out
+    assert "model: llama4 17bx16e, 107.77B parameters" in out
+    assert re.search(r"hf_assets_path \S+ does not exist here", out)
+    routed = _rows(r"^layers\.\d+\.moe\.experts\.w\d +\[16, \d+, \d+\] +64 +0 +1 +48 "
+                   r"+4026531840 +cuda$", out)
+    shared = _rows(r"^layers\.\d+\.moe\.shared_experts\.w\d\.weight +\[\d+, \d+\] +64 +0 "
+                   r"+(?:128|80) +0 +0 +cuda$", out)
+    assert (len(routed), len(shared)) == (48 * 3, 48 * 3), out[-3000:]
+    assert "totals: 288 converted weights" in out
+    assert seconds < 15, seconds  # under 1 s on an idle laptop core
+
+
+def test_unmatched_fqns_exit_with_the_converters_message():
+    proc = _preflight_process("--config", SEED_CONFIG, "--ngpu", "8", "--float8_moe.fqns=router")
+    assert proc.returncode == 2
+    message = (r"^preflight FAILED: float8_moe: fqns \['router'\] match none of the model's "
+               r"expert modules \[.*'layers\.1\.moe\.shared_expert'")
+    assert re.search(message, proc.stderr, re.MULTILINE), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_tensor_parallelism_is_refused_as_at_launch(capsys):
+    rc, out, err = _preflight(
+        capsys, "--config", SCOUT_CONFIG, "--ngpu", "64", "--parallelism.tensor_parallel_degree=8"
+    )
+    assert rc == 2
+    assert "world size 64 = dp_replicate 1 x dp_shard 8 x cp 1 x tp 8 x pp 1" in out
+    assert "preflight FAILED: float8_moe: parallelism.tensor_parallel_degree = 8 is not " \
+           "supported yet" in err
+
+
+def test_world_size_that_does_not_factor_gets_torchtitans_message(capsys):
+    rc, out, err = _preflight(
+        capsys, "--config", SEED_CONFIG, "--ngpu", "6", "--parallelism.data_parallel_shard_degree=4"
+    )
+    assert rc == 2
+    assert "Invalid parallel dims: dp_replicate(1) * dp_shard(4) * cp(1) * tp(1) * pp(1) != " \
+           "WORLD_SIZE(6)" in err
+    assert "float8_moe:" not in out  # stopped before the model
+
+
+def test_degrees_above_the_world_size_are_named(capsys):
+    """ParallelDims' assert for dp_shard = -1 leaving nothing has no message of its own."""
+    rc, _, err = _preflight(
+        capsys, "--config", SEED_CONFIG, "--ngpu", "6", "--parallelism.tensor_parallel_degree=8"
+    )
+    assert rc == 2
+    assert "for 6 ranks: invalid degrees (dp_shard -1, dp_replicate 1, cp 1, tp 8" in err
+
+
+def test_unknown_override_fails_through_torchtitans_parser(capsys):
+    rc, _, err = _preflight(capsys, "--config", SEED_CONFIG, "--ngpu", "8", "--parallelism.bogus=1")
+    assert rc == 2
+    assert "Unrecognized options" in err
+
+
+def test_pipeline_parallelism_plans_the_whole_model_and_says_so(capsys):
+    rc, out, _ = _preflight(
+        capsys, "--config", SEED_CONFIG, "--ngpu", "8", "--parallelism.pipeline_parallel_degree=2"
+    )
+    assert rc == 0
+    assert "dp_shard 4 x cp 1 x tp 1 x pp 2" in out
+    assert "the trainer converts the whole model, as here, then splits it into 2 stages" in out
+    shared = _rows(r"^layers\.\d+\.moe\.shared_expert\.w\d +\[1, \d+, \d+\] +4 +0 +1 +3 ", out)
+    assert len(shared) == 9, out
+
+
+def test_target_cpu_plans_the_emulated_path(capsys):
+    rc, out, _ = _preflight(capsys, "--config", SEED_CONFIG, "--ngpu", "8", "--target", "cpu")
+    assert rc == 0
+    assert "emulated path (no CUDA device)" in out
+    assert len(_rows(r"^layers\.\S+ +\[.*\] +8 +0 .* emulated$", out)) == 18
+    assert converter_module.plan_target is None  # the trainer's behaviour is back
+
+
+def _tiny_expert_converter(target: str) -> Float8MoEConverter:
+    job_config = ConfigManager().parse_args(
+        ["--job.custom_config_module=torchtitan_fp8_moe.config", "--model.converters=float8_moe"]
+    )
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=8)
+    with planning_for(target):
+        return Float8MoEConverter(job_config, dims)
+
+
+def test_cuda_target_runs_the_fp8_shape_check():
+    """A [8, 6, 4] expert weight has no fp8 kernel layout: a CUDA launch refuses it, the
+    emulated path takes it; neither needs a GPU to find out."""
+    with pytest.raises(ValueError, match=r"experts\.w1 has shape \[8, 6, 4\].*multiples"):
+        _tiny_expert_converter("cuda").convert(build_expert_module("tiny_routed", 8))
+    converter = _tiny_expert_converter("cpu")
+    converter.convert(build_expert_module("tiny_routed", 8))
+    assert {row.path for row in converter.shard_plan} == {"emulated"}
