@@ -8,6 +8,7 @@ from expert_modules import fsdp_cases
 from torchtitan_fp8_moe.sharding import rows_per_rank
 
 WORLD_SIZES = [1, 2, 3, 4, 8]
+FAST_WORLD_SIZE = 2  # the fast loop's FSDP case (`pytest -m "not slow"`)
 # Sharded and unsharded run the same emulated fp8 numerics; what differs is FSDP's fp32 gradient
 # averaging over ranks, which rounds at non-power-of-2 world sizes (seen: 1.5e-8).
 TOLERANCE = 1e-5
@@ -15,7 +16,12 @@ CASES = [(w, case) for w in WORLD_SIZES for case in fsdp_cases(w)]
 
 
 @pytest.mark.parametrize(
-    "world_size,case", CASES, ids=[f"w{w}-{c['name']}" for w, c in CASES]
+    "world_size,case",
+    [
+        pytest.param(w, c, marks=[] if w == FAST_WORLD_SIZE else [pytest.mark.slow])
+        for w, c in CASES
+    ],
+    ids=[f"w{w}-{c['name']}" for w, c in CASES],
 )
 def test_uneven_fsdp_matches_unsharded(dist_results, world_size, case):
     ranks = dist_results("fsdp", world_size)
@@ -41,6 +47,7 @@ def test_uneven_fsdp_matches_unsharded(dist_results, world_size, case):
                 assert rows == rows_per_rank(dim0, world_size), name
 
 
+@pytest.mark.slow
 def test_seed_shape_pads_seven_of_eight_ranks(dist_results):
     """The seed: a [1, H, D] grouped shared expert on 8 ranks; ranks 1-7 hold only padding."""
     ranks = dist_results("fsdp", 8)

@@ -4,6 +4,8 @@ FSDP tests really exercise uneven sharding."""
 
 import pytest
 
+pytestmark = pytest.mark.slow  # waits for a gloo timeout
+
 SEED_MESSAGE = "fsdp_pre_all_gather must return all-gather inputs with the padded sharded size"
 
 

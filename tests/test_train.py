@@ -12,6 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+pytestmark = pytest.mark.slow  # trainer launches: minutes
+
 REPO = Path(__file__).resolve().parent.parent
 SEED_CONFIG = "train_configs/llama4_grouped_shared_debug.toml"
 SMALL = ["--training.seq_len=64", "--training.local_batch_size=2", "--metrics.disable_color_printing"]
