@@ -13,7 +13,6 @@ kernels (torch profiler), the breakdown behind a speedup. Needs CUDA with fp8 (s
 """
 
 import argparse
-import copy
 import json
 import math
 from pathlib import Path
@@ -60,7 +59,9 @@ class Projection(nn.Module):
         shape = (out_dim, in_dim) if case == "shared_linear" else (groups, out_dim, in_dim)
         self.weight = nn.Parameter(torch.randn(shape, dtype=torch.bfloat16) * 0.02)
         self.case, self.in_dim = case, in_dim
-        self.offs = torch.arange(1, groups + 1, dtype=torch.int32, device="cuda") * (tokens // groups)
+        self.offs = torch.arange(1, groups + 1, dtype=torch.int32, device="cuda") * (
+            tokens // groups
+        )
 
     def forward(self, x):
         if self.case == "shared_linear":
@@ -142,8 +143,11 @@ def main() -> None:
     parser.add_argument("--out", default="docs/benchmarks/h200.json")
     parser.add_argument("--cases", default=None, help="comma-separated subset of the cases")
     parser.add_argument("--tokens", default=None, help="comma-separated token counts M")
-    parser.add_argument("--profile", action="store_true",
-                        help="also record each implementation's per-kernel GPU time per step")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also record each implementation's per-kernel GPU time per step",
+    )
     args = parser.parse_args()
     from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
@@ -179,7 +183,9 @@ def main() -> None:
                         speedup_vs_bf16=round(bf16_ms / ms, 3),
                         sqnr_db=sqnr(ref[0], outputs[0]) if impl != "bf16" else math.inf,
                         sqnr_input_grad_db=sqnr(ref[1], outputs[1]) if impl != "bf16" else math.inf,
-                        sqnr_weight_grad_db=sqnr(ref[2], outputs[2]) if impl != "bf16" else math.inf,
+                        sqnr_weight_grad_db=sqnr(ref[2], outputs[2])
+                        if impl != "bf16"
+                        else math.inf,
                     )
                     if kernels is not None:
                         row["kernels_ms_per_step"] = kernels
@@ -202,16 +208,25 @@ def write_json(rows, path: str) -> None:
 
 
 def print_table(rows) -> None:
-    header = f"{'case':15} {'tokens':>6} {'impl':10} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8} {'vs torchao':>10} {'SQNR out/dx/dw (dB)':>22}"
+    header = (
+        f"{'case':15} {'tokens':>6} {'impl':10} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8} "
+        f"{'vs torchao':>10} {'SQNR out/dx/dw (dB)':>22}"
+    )
     print(header)
     for r in rows:
         if r["ms"] is None:
             print(f"{r['case']:15} {r['tokens']:>6} {r['impl']:10} {r['error']}")
             continue
-        sq = "-" if r["impl"] == "bf16" else f"{r['sqnr_db']}/{r['sqnr_input_grad_db']}/{r['sqnr_weight_grad_db']}"
+        sq = (
+            "-"
+            if r["impl"] == "bf16"
+            else f"{r['sqnr_db']}/{r['sqnr_input_grad_db']}/{r['sqnr_weight_grad_db']}"
+        )
         vs_ao = "-" if r["speedup_vs_torchao"] is None else f"{r['speedup_vs_torchao']:.2f}x"
-        print(f"{r['case']:15} {r['tokens']:>6} {r['impl']:10} {r['ms']:>8.3f} {r['tflops']:>8.1f} "
-              f"{r['speedup_vs_bf16']:>7.2f}x {vs_ao:>10} {sq:>22}")
+        print(
+            f"{r['case']:15} {r['tokens']:>6} {r['impl']:10} {r['ms']:>8.3f} {r['tflops']:>8.1f} "
+            f"{r['speedup_vs_bf16']:>7.2f}x {vs_ao:>10} {sq:>22}"
+        )
 
 
 def plot(rows, path: Path) -> None:
@@ -226,8 +241,14 @@ def plot(rows, path: Path) -> None:
     width = 0.27
     for i, impl in enumerate(impls):
         values = [
-            next((r.get("speedup_vs_bf16") or 0 for r in rows
-                  if (r["case"], r["tokens"]) == label and r["impl"] == impl), 0)
+            next(
+                (
+                    r.get("speedup_vs_bf16") or 0
+                    for r in rows
+                    if (r["case"], r["tokens"]) == label and r["impl"] == impl
+                ),
+                0,
+            )
             for label in labels
         ]
         ax.bar([j + (i - 1) * width for j in range(len(labels))], values, width, label=impl)

@@ -20,16 +20,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
-STEP_LINE = re.compile(
-    r"step: +(\d+) +loss: +(\S+).*?memory: +([\d.]+)GiB.*?tps: +([\d,]+)"
-)
+STEP_LINE = re.compile(r"step: +(\d+) +loss: +(\S+).*?memory: +([\d.]+)GiB.*?tps: +([\d,]+)")
 
 
 def _without_converters(config: str, folder: Path) -> Path:
     """The config with its model converters removed (torchtitan's CLI cannot empty a list)."""
     text = (REPO / config).read_text()
     if 'converters = ["float8_moe"]' not in text:
-        raise SystemExit(f"{config}: expected a line converters = [\"float8_moe\"]")
+        raise SystemExit(f'{config}: expected a line converters = ["float8_moe"]')
     path = (folder / f"{Path(config).stem}_bf16.toml").resolve()
     path.write_text(text.replace('converters = ["float8_moe"]', "converters = []"))
     return path
@@ -46,16 +44,25 @@ def run_variant(variant: str, args, extra: list[str]) -> dict:
         *extra,
     ]
     env = dict(os.environ, NGPU=str(args.ngpu), CONFIG_FILE=str(config))
-    proc = subprocess.run(["./scripts/run_train.sh", *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["./scripts/run_train.sh", *overrides], cwd=REPO, env=env, capture_output=True, text=True
+    )
     log = ANSI_COLOR.sub("", proc.stdout + proc.stderr)
     log_path = Path(args.out).with_name(f"{Path(args.out).stem}_{variant.replace('+', '_')}.log")
     log_path.write_text(log)
-    steps = {int(s): (float(loss), float(mem), int(tps.replace(",", "")))
-             for s, loss, mem, tps in STEP_LINE.findall(log)}
+    steps = {
+        int(s): (float(loss), float(mem), int(tps.replace(",", "")))
+        for s, loss, mem, tps in STEP_LINE.findall(log)
+    }
     timed = [steps[s] for s in steps if s > args.warmup]
-    row = {"variant": variant, "ngpu": args.ngpu, "returncode": proc.returncode,
-           "steps_logged": len(steps), "log": log_path.name, "overrides": overrides}
+    row = {
+        "variant": variant,
+        "ngpu": args.ngpu,
+        "returncode": proc.returncode,
+        "steps_logged": len(steps),
+        "log": log_path.name,
+        "overrides": overrides,
+    }
     if timed:
         row.update(
             tokens_per_s_median=statistics.median(t[2] for t in timed),
@@ -83,16 +90,21 @@ def main() -> None:
     for variant in args.variants.split(","):
         rows.append(run_variant(variant, args, extra))
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
-    baselines = {r["variant"].removeprefix("bf16"): r.get("tokens_per_s_median") for r in rows
-                 if r["variant"].startswith("bf16")}
+    baselines = {
+        r["variant"].removeprefix("bf16"): r.get("tokens_per_s_median")
+        for r in rows
+        if r["variant"].startswith("bf16")
+    }
     print(f"{'variant':22} {'tokens/s':>10} {'vs bf16':>8} {'mem GiB':>8} {'final loss':>10}")
     for r in rows:
         base = baselines.get(r["variant"].removeprefix("float8_moe").removeprefix("bf16"))
         tps = r.get("tokens_per_s_median")
         if tps is not None and base:
             r["speedup_vs_bf16"] = round(tps / base, 3)
-        print(f"{r['variant']:22} {tps or 'failed':>10} {r.get('speedup_vs_bf16', '-'):>8} "
-              f"{r.get('memory_max_reserved_gib', '-'):>8} {r.get('final_loss', '-'):>10}")
+        print(
+            f"{r['variant']:22} {tps or 'failed':>10} {r.get('speedup_vs_bf16', '-'):>8} "
+            f"{r.get('memory_max_reserved_gib', '-'):>8} {r.get('final_loss', '-'):>10}"
+        )
     Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
 
 

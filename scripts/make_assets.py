@@ -24,18 +24,46 @@ BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 CORPUS_CHARS = 1_500_000
 # Documented, stable, import-safe stdlib packages; sorted walk, so the corpus is reproducible
 # for a given Python version.
-ROOTS = ["argparse", "asyncio", "collections", "concurrent", "csv", "dataclasses", "datetime",
-         "decimal", "email", "fractions", "functools", "http", "importlib", "inspect", "json",
-         "logging", "multiprocessing", "pathlib", "pickle", "statistics", "string", "textwrap",
-         "threading", "typing", "unittest", "urllib", "xml", "zipfile"]
+ROOTS = [
+    "argparse",
+    "asyncio",
+    "collections",
+    "concurrent",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "email",
+    "fractions",
+    "functools",
+    "http",
+    "importlib",
+    "inspect",
+    "json",
+    "logging",
+    "multiprocessing",
+    "pathlib",
+    "pickle",
+    "statistics",
+    "string",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib",
+    "xml",
+    "zipfile",
+]
 
 
 def _modules():
     for root in ROOTS:
         package = importlib.import_module(root)
         yield package
-        for info in sorted(pkgutil.walk_packages(getattr(package, "__path__", []), root + "."),
-                           key=lambda i: i.name):
+        for info in sorted(
+            pkgutil.walk_packages(getattr(package, "__path__", []), root + "."),
+            key=lambda i: i.name,
+        ):
             if "test" in info.name or "__main__" in info.name:
                 continue
             try:
@@ -49,8 +77,11 @@ def _modules():
 def _docstrings():
     seen = set()
     for module in _modules():
-        objects = [module] + [obj for _, obj in sorted(vars(module).items())
-                              if inspect.isclass(obj) or inspect.isfunction(obj)]
+        objects = [module] + [
+            obj
+            for _, obj in sorted(vars(module).items())
+            if inspect.isclass(obj) or inspect.isfunction(obj)
+        ]
         for obj in objects:
             doc = inspect.getdoc(obj)
             if doc and doc not in seen and len(doc) > 80:
@@ -86,8 +117,10 @@ def main() -> None:
     (tokenizer_dir / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": BOS, "eos_token": EOS, "add_bos_token": True}, indent=1) + "\n"
     )
-    print(f"corpus: {len(texts)} documents, {total} characters; "
-          f"tokenizer: vocab {tokenizer.get_vocab_size()}; written to {ASSETS}")
+    print(
+        f"corpus: {len(texts)} documents, {total} characters; "
+        f"tokenizer: vocab {tokenizer.get_vocab_size()}; written to {ASSETS}"
+    )
 
 
 if __name__ == "__main__":

@@ -21,16 +21,24 @@ def launch_suite(
         out_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, DIST_TIMEOUT_S=str(timeout_s), OMP_NUM_THREADS="1", **(env or {}))
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-            "--standalone", str(TESTS_DIR / "dist_worker.py"), suite, str(out_dir),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={world_size}",
+            "--standalone",
+            str(TESTS_DIR / "dist_worker.py"),
+            suite,
+            str(out_dir),
         ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s * 3)
         results = []
         for rank in range(world_size):
             path = out_dir / f"rank{rank}.json"
             if not path.exists():
-                pytest.fail(f"rank {rank} of {suite} at world size {world_size} wrote no results:\n"
-                            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+                pytest.fail(
+                    f"rank {rank} of {suite} at world size {world_size} wrote no results:\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+                )
             results.append(json.loads(path.read_text()))
         _launch_cache[key] = results
     return _launch_cache[key]

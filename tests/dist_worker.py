@@ -15,7 +15,6 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -27,7 +26,6 @@ from expert_modules import (  # noqa: E402
     expert_inputs,
     fsdp_cases,
 )
-
 
 STEPS, MICRO_BATCHES = 2, 2
 
@@ -81,7 +79,10 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
     for name in names:
         local = sharded.get_parameter(name).to_local()
         (padded,), _ = local.fsdp_pre_all_gather(
-            mesh, ref.get_parameter(name).shape, None, sharded,
+            mesh,
+            ref.get_parameter(name).shape,
+            None,
+            sharded,
             MixedPrecisionPolicy(param_dtype=param_dtype),
         )
         result["padded_rows"][name] = padded.shape[0]
@@ -108,7 +109,9 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
         sharded_opt.zero_grad()
         for name, ref_param in ref.named_parameters():
             expected = _shard(ref_param.detach()._data, world, rank)
-            diffs["param"] = max(diffs["param"], _max_diff(_local(sharded.get_parameter(name)), expected))
+            diffs["param"] = max(
+                diffs["param"], _max_diff(_local(sharded.get_parameter(name)), expected)
+            )
     check_gathered(exact=False)
     result["scale"] = max(p.detach()._data.abs().max().item() for p in ref.parameters())
     result.update(diffs)
@@ -128,7 +131,10 @@ def suite_fsdp(mesh) -> dict:
         try:
             results[case["name"]] = _run_fsdp_case(case, mesh)
         except Exception as e:  # noqa: BLE001 - the other ranks are now out of step: stop
-            results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            results[case["name"]] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }
             break
     return results
 
@@ -161,10 +167,12 @@ def _fsdp_llama4(model_name: str, n_layers: int | None = None):
 
     cpu.select_cpu_device()
     cpu.enable_moe_ops()
-    job_config = ConfigManager().parse_args([
-        "--job.custom_config_module=torchtitan_fp8_moe.config",
-        "--model.converters=float8_moe",
-    ])
+    job_config = ConfigManager().parse_args(
+        [
+            "--job.custom_config_module=torchtitan_fp8_moe.config",
+            "--model.converters=float8_moe",
+        ]
+    )
     spec = get_train_spec(model_name)
     model_args = spec.model_args["debugmodel"]
     if n_layers is not None:
@@ -173,13 +181,21 @@ def _fsdp_llama4(model_name: str, n_layers: int | None = None):
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     parallel_dims = ParallelDims(
-        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1,
+        dp_replicate=1,
+        dp_shard=-1,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=1,
+        etp=1,
         world_size=dist.get_world_size(),
     )
     converters = build_model_converters(job_config, parallel_dims)
     converters.convert(model)
     (converter,) = converters.converters
-    apply_fsdp(model, parallel_dims.get_mesh("fsdp"), torch.bfloat16, torch.float32, pp_enabled=False)
+    apply_fsdp(
+        model, parallel_dims.get_mesh("fsdp"), torch.bfloat16, torch.float32, pp_enabled=False
+    )
     cpu.use_sum_reductions(model)
     model.to_empty(device="cpu")
     return model, model_args, converter, parallel_dims
@@ -200,15 +216,23 @@ def suite_llama4(mesh) -> dict:
     for row in converter.shard_plan:
         param = model.get_parameter(row.fqn)
         (padded,), _ = param.to_local().fsdp_pre_all_gather(
-            parallel_dims.get_mesh("fsdp"), param.shape, None, model,
+            parallel_dims.get_mesh("fsdp"),
+            param.shape,
+            None,
+            model,
             MixedPrecisionPolicy(param_dtype=torch.bfloat16),
         )
-        plan[row.fqn] = {"plan_rows": row.rows_per_rank, "all_gather_rows": padded.shape[0],
-                         "wrapped": type(param.to_local()).__name__}
+        plan[row.fqn] = {
+            "plan_rows": row.rows_per_rank,
+            "all_gather_rows": padded.shape[0],
+            "wrapped": type(param.to_local()).__name__,
+        }
     loss = model(_fixed_tokens(model_args.vocab_size)).float().logsumexp(-1).mean()
     loss.backward()
     grads_finite = all(
-        bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters() if p.grad is not None
+        bool(torch.isfinite(p.grad.to_local()).all())
+        for p in model.parameters()
+        if p.grad is not None
     )
     return {"plan": plan, "loss": loss.item(), "grads_finite": grads_finite}
 
@@ -233,8 +257,7 @@ def suite_reshape(mesh) -> dict:
     plain_state = plain.state_dict()
     dcp.load(plain_state, checkpoint_id=checkpoint)
     matches = all(
-        torch.equal(_local(p.full_tensor() if isinstance(p, DTensor) else p),
-                    plain_state[name])
+        torch.equal(_local(p.full_tensor() if isinstance(p, DTensor) else p), plain_state[name])
         for name, p in model.named_parameters()
     )
     tokens = _fixed_tokens(model_args.vocab_size)

@@ -10,7 +10,9 @@ TESTS = Path(__file__).parent
 
 def test_doc_is_generated_from_the_table():
     doc = TESTS.parent / "docs" / "compatibility.md"
-    assert doc.read_text() == render(), "regenerate: python tests/compatibility.py > docs/compatibility.md"
+    assert doc.read_text() == render(), (
+        "regenerate: python tests/compatibility.py > docs/compatibility.md"
+    )
 
 
 def test_every_named_test_exists():
@@ -18,7 +20,8 @@ def test_every_named_test_exists():
         for test in tests:
             file, name = test.split("::")
             functions = {
-                node.name for node in ast.walk(ast.parse((TESTS / file).read_text()))
+                node.name
+                for node in ast.walk(ast.parse((TESTS / file).read_text()))
                 if isinstance(node, ast.FunctionDef)
             }
             assert name in functions, f"{composition}: {test} does not exist"

@@ -32,13 +32,13 @@ def test_compiled_experts_equal_eager(monkeypatch):
             experts = module.experts
             compiled_fn = torch.compile(_run_experts_grouped_mm, fullgraph=True)
 
-            def compiled(x, tokens):
-                return compiled_fn(experts.w1, experts.w2, experts.w3, x, tokens)
+            def compiled(x, tokens, fn=compiled_fn, experts=experts):
+                return fn(experts.w1, experts.w2, experts.w3, x, tokens)
         else:
             compiled = torch.compile(module, fullgraph=True)
         result = _fwd_bwd(compiled, module, kind, dim0)
         assert torch.equal(result[0], eager[0]), kind
         assert torch.equal(result[1], eager[1]), kind
-        for got, want in zip(result[2], eager[2]):
+        for got, want in zip(result[2], eager[2], strict=True):
             assert torch.equal(got, want), kind
         assert all(type(p).__name__ == "Float8MoEWeight" for p in module.parameters())

@@ -49,15 +49,19 @@ def test_cuda_kernels_match_emulation(forward, shape, dtype):
         out = forward(xi, weight)
         out.backward(grad)
         results.append((out, xi.grad, weight.grad))
-    for emulated, cuda in zip(*results):
+    for emulated, cuda in zip(*results, strict=True):
         assert cuda.dtype == emulated.dtype == dtype
         assert sqnr(emulated, cuda) > 35
 
 
 @pytest.mark.parametrize(
     "shape,dtype",
-    [((4096, 5120), torch.bfloat16), ((999, 8192), torch.bfloat16), ((64, 300), torch.float32),
-     ((3, 16, 40), torch.bfloat16)],
+    [
+        ((4096, 5120), torch.bfloat16),
+        ((999, 8192), torch.bfloat16),
+        ((64, 300), torch.float32),
+        ((3, 16, 40), torch.bfloat16),
+    ],
 )
 def test_rowwise_kernel_matches_the_torch_rules(shape, dtype):
     """Our one-pass Triton kernel gives the bytes and scales of quantize.py's torch rules, on

@@ -64,14 +64,14 @@ FP8_FORMS = {
     "matmul(mT[0])": lambda w, p: (torch.matmul(X, w.mT[0]), p[0].t(), X),
     "mm(chunk.t)": lambda w, p: (torch.mm(X, w[0].chunk(2)[1].t()), p[0, H // 2 :].t(), X),
     "linear(narrow)": lambda w, p: (F.linear(X, w[0].narrow(0, 8, 16)), p[0, 8:24].t(), X),
-    "linear(contiguous.T)": lambda w, p: (
-        F.linear(X, w[0].t().contiguous().T), p[0].t(), X
-    ),
+    "linear(contiguous.T)": lambda w, p: (F.linear(X, w[0].t().contiguous().T), p[0].t(), X),
     "linear(movedim)": lambda w, p: (F.linear(X, w.movedim(0, 2)[..., 0]), p[0].t(), X),
     "linear(clone.detach)": lambda w, p: (F.linear(X, w[0].clone().detach()), p[0].t(), X),
     "linear(w * 2)": lambda w, p: (F.linear(X, w[0] * 2), p[0].t() * 2, X),
     "_grouped_mm 3D x 3D": lambda w, p: (
-        torch._grouped_mm(X.unsqueeze(0), w.transpose(-2, -1)), p.transpose(-2, -1), X[None]
+        torch._grouped_mm(X.unsqueeze(0), w.transpose(-2, -1)),
+        p.transpose(-2, -1),
+        X[None],
     ),
 }
 
@@ -150,7 +150,8 @@ def _entry_points(w2: torch.Tensor):
         "mm(t)": (lambda x, w: torch.mm(x, w.t()), lambda w: w.t()),
         "bmm": (lambda x, w: torch.bmm(x[None], w.t()[None])[0], lambda w: w.t()),
         "_grouped_mm 3D": (
-            lambda x, w: torch._grouped_mm(x[None], w.t()[None])[0], lambda w: w.t()
+            lambda x, w: torch._grouped_mm(x[None], w.t()[None])[0],
+            lambda w: w.t(),
         ),
         "_grouped_mm offs": (
             lambda x, w: torch._grouped_mm(

@@ -52,6 +52,6 @@ def test_seed_shape_pads_seven_of_eight_ranks(dist_results):
     """The seed: a [1, H, D] grouped shared expert on 8 ranks; ranks 1-7 hold only padding."""
     ranks = dist_results("fsdp", 8)
     name = "grouped_shared-dim0=1-reshard=True-bfloat16"
-    for rank, results in enumerate(ranks):
+    for results in ranks:
         assert results[name]["padded_rows"] == {f"expert.w{i}": 1 for i in (1, 2, 3)}
         assert results[name]["gathered_bitwise"]

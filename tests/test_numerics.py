@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.fp8 import FP8_MAX, dequantize, quantize_rowwise, rowwise_scales
+from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight
 
 OUT_DB, INPUT_GRAD_DB, WEIGHT_GRAD_DB = 23.0, 28.0, 21.0
@@ -82,8 +82,12 @@ def test_quantization_rules():
     # Power-of-2 scales, the largest that keeps the row's amax within fp8 range.
     assert torch.equal(torch.log2(scale), torch.floor(torch.log2(scale)))
     amax = x.abs().amax(-1, keepdim=True)
-    assert bool(((amax * scale) <= FP8_MAX).all()) and bool(((amax[[0, 2]] * scale[[0, 2]] * 2) > FP8_MAX).all())
-    assert torch.equal(dequantize(data, scale)[1], torch.zeros(3))  # zero rows stay zero, finite scale
+    assert bool(((amax * scale) <= FP8_MAX).all()) and bool(
+        ((amax[[0, 2]] * scale[[0, 2]] * 2) > FP8_MAX).all()
+    )
+    assert torch.equal(
+        dequantize(data, scale)[1], torch.zeros(3)
+    )  # zero rows stay zero, finite scale
     assert torch.isfinite(rowwise_scales(x, -1)).all()
     # Values exactly representable in fp8 after scaling come back exactly.
     assert torch.equal(dequantize(data, scale)[0], x[0])

@@ -24,7 +24,10 @@ SCOUT_CONFIG = "train_configs/llama4_17bx16e.toml"
 def _preflight_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torchtitan_fp8_moe.preflight", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -48,12 +51,21 @@ def test_seed_config_at_8_ranks_prints_the_padding_plan():
     assert "FSDP degree 8 (dp_shard x cp), ep 1, etp 1" in out
     # columns: FQN, logical shape, FSDP degree, shard dim, rows/rank, padding-only ranks,
     # padding bytes (7 zero rows of 512 x 256 bf16), fp8 path
-    shared = _rows(r"^layers\.\d+\.moe\.shared_expert\.w[13] +\[1, 512, 256\] +8 +0 +1 +7 "
-                   r"+1835008 +cuda$", out)
-    shared += _rows(r"^layers\.\d+\.moe\.shared_expert\.w2 +\[1, 256, 512\] +8 +0 +1 +7 "
-                    r"+1835008 +cuda$", out)
-    routed = _rows(r"^layers\.\d+\.moe\.experts\.w\d +\[8, (512, 256|256, 512)\] +8 +0 +1 +0 "
-                   r"+0 +cuda$", out)
+    shared = _rows(
+        r"^layers\.\d+\.moe\.shared_expert\.w[13] +\[1, 512, 256\] +8 +0 +1 +7 "
+        r"+1835008 +cuda$",
+        out,
+    )
+    shared += _rows(
+        r"^layers\.\d+\.moe\.shared_expert\.w2 +\[1, 256, 512\] +8 +0 +1 +7 "
+        r"+1835008 +cuda$",
+        out,
+    )
+    routed = _rows(
+        r"^layers\.\d+\.moe\.experts\.w\d +\[8, (512, 256|256, 512)\] +8 +0 +1 +0 "
+        r"+0 +cuda$",
+        out,
+    )
     assert (len(shared), len(routed)) == (9, 9), out
     assert "totals: 18 converted weights, 16515072 padding bytes (15.8 MiB)" in out
     assert out.rstrip().splitlines()[-1].startswith("preflight OK")
@@ -65,9 +77,14 @@ def test_scout_at_64_ranks_plans_in_seconds(capsys):
     config's hf assets are not on this machine: said, and not needed."""
     started = time.perf_counter()
     rc, out, err = _preflight(
-        capsys, "--config", SCOUT_CONFIG, "--ngpu", "64",
+        capsys,
+        "--config",
+        SCOUT_CONFIG,
+        "--ngpu",
+        "64",
         # the config's own degrees today; kept explicit so the case stays a passing one
-        "--parallelism.tensor_parallel_degree=1", "--parallelism.expert_tensor_parallel_degree=1",
+        "--parallelism.tensor_parallel_degree=1",
+        "--parallelism.expert_tensor_parallel_degree=1",
         "--parallelism.data_parallel_shard_degree=-1",
     )
     seconds = time.perf_counter() - started
@@ -75,10 +92,16 @@ def test_scout_at_64_ranks_plans_in_seconds(capsys):
     assert "world size 64 = dp_replicate 1 x dp_shard 64 x cp 1 x tp 1 x pp 1" in out
     assert "model: llama4 17bx16e, 107.77B parameters" in out
     assert re.search(r"hf_assets_path \S+ does not exist here", out)
-    routed = _rows(r"^layers\.\d+\.moe\.experts\.w\d +\[16, \d+, \d+\] +64 +0 +1 +48 "
-                   r"+4026531840 +cuda$", out)
-    shared = _rows(r"^layers\.\d+\.moe\.shared_experts\.w\d\.weight +\[\d+, \d+\] +64 +0 "
-                   r"+(?:128|80) +0 +0 +cuda$", out)
+    routed = _rows(
+        r"^layers\.\d+\.moe\.experts\.w\d +\[16, \d+, \d+\] +64 +0 +1 +48 "
+        r"+4026531840 +cuda$",
+        out,
+    )
+    shared = _rows(
+        r"^layers\.\d+\.moe\.shared_experts\.w\d\.weight +\[\d+, \d+\] +64 +0 "
+        r"+(?:128|80) +0 +0 +cuda$",
+        out,
+    )
     assert (len(routed), len(shared)) == (48 * 3, 48 * 3), out[-3000:]
     assert "totals: 288 converted weights" in out
     assert seconds < 15, seconds  # under 1 s on an idle laptop core
@@ -87,8 +110,10 @@ def test_scout_at_64_ranks_plans_in_seconds(capsys):
 def test_unmatched_fqns_exit_with_the_converters_message():
     proc = _preflight_process("--config", SEED_CONFIG, "--ngpu", "8", "--float8_moe.fqns=router")
     assert proc.returncode == 2
-    message = (r"^preflight FAILED: float8_moe: fqns \['router'\] match none of the model's "
-               r"expert modules \[.*'layers\.1\.moe\.shared_expert'")
+    message = (
+        r"^preflight FAILED: float8_moe: fqns \['router'\] match none of the model's "
+        r"expert modules \[.*'layers\.1\.moe\.shared_expert'"
+    )
     assert re.search(message, proc.stderr, re.MULTILINE), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
 
@@ -99,8 +124,10 @@ def test_tensor_parallelism_is_refused_as_at_launch(capsys):
     )
     assert rc == 2
     assert "world size 64 = dp_replicate 1 x dp_shard 8 x cp 1 x tp 8 x pp 1" in out
-    assert "preflight FAILED: float8_moe: parallelism.tensor_parallel_degree = 8 is not " \
-           "supported yet" in err
+    assert (
+        "preflight FAILED: float8_moe: parallelism.tensor_parallel_degree = 8 is not "
+        "supported yet" in err
+    )
 
 
 def test_world_size_that_does_not_factor_gets_torchtitans_message(capsys):
@@ -108,8 +135,10 @@ def test_world_size_that_does_not_factor_gets_torchtitans_message(capsys):
         capsys, "--config", SEED_CONFIG, "--ngpu", "6", "--parallelism.data_parallel_shard_degree=4"
     )
     assert rc == 2
-    assert "Invalid parallel dims: dp_replicate(1) * dp_shard(4) * cp(1) * tp(1) * pp(1) != " \
-           "WORLD_SIZE(6)" in err
+    assert (
+        "Invalid parallel dims: dp_replicate(1) * dp_shard(4) * cp(1) * tp(1) * pp(1) != "
+        "WORLD_SIZE(6)" in err
+    )
     assert "float8_moe:" not in out  # stopped before the model
 
 

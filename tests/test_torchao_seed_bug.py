@@ -16,5 +16,7 @@ def test_torchao_wrapper_fails_on_uneven_shard(dist_results):
     if not any(errors):
         pytest.xfail("torchao's wrapper trained on an uneven shard: fixed upstream")
     for rank in range(1, 8):
-        assert errors[rank].startswith("AssertionError") and SEED_MESSAGE in errors[rank], errors[rank]
+        assert errors[rank].startswith("AssertionError") and SEED_MESSAGE in errors[rank], errors[
+            rank
+        ]
         assert "torch.Size([0, 64, 32])" in errors[rank], errors[rank]

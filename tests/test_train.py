@@ -16,19 +16,31 @@ pytestmark = pytest.mark.slow  # trainer launches: minutes
 
 REPO = Path(__file__).resolve().parent.parent
 SEED_CONFIG = "train_configs/llama4_grouped_shared_debug.toml"
-SMALL = ["--training.seq_len=64", "--training.local_batch_size=2", "--metrics.disable_color_printing"]
+SMALL = [
+    "--training.seq_len=64",
+    "--training.local_batch_size=2",
+    "--metrics.disable_color_printing",
+]
 CURVE_STEPS = 24
 # The bf16-vs-fp8 curves: 2 ranks x 4 x 128 tokens a step at lr 1e-3 (the debug config's 4e-3
 # on 2 x 64 tokens is so noisy that single loss spikes land on different steps in two runs).
-CURVE = ["--training.seq_len=128", "--training.local_batch_size=4", "--optimizer.lr=1e-3",
-         f"--training.steps={CURVE_STEPS}"]
+CURVE = [
+    "--training.seq_len=128",
+    "--training.local_batch_size=4",
+    "--optimizer.lr=1e-3",
+    f"--training.steps={CURVE_STEPS}",
+]
 
 
 def run_train(ngpu: int, config: str, *overrides: str, log_rank: int = 0) -> str:
     env = dict(os.environ, NGPU=str(ngpu), CONFIG_FILE=config, LOG_RANK=str(log_rank))
     proc = subprocess.run(
         ["./scripts/run_train.sh", *SMALL, *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-8000:]
@@ -53,10 +65,22 @@ def bf16_config(tmp_path: Path, config: str = SEED_CONFIG) -> str:
 def runs(tmp_path_factory):
     """bf16 and float8_moe on the seed layout, 2 ranks, same seed and data, with checkpoints."""
     tmp = tmp_path_factory.mktemp("train")
-    bf16 = run_train(2, bf16_config(tmp), *CURVE, f"--job.dump_folder={tmp / 'bf16'}",
-                     "--checkpoint.enable", f"--checkpoint.interval={CURVE_STEPS}")
-    fp8 = run_train(2, SEED_CONFIG, *CURVE, f"--job.dump_folder={tmp / 'fp8'}",
-                    "--checkpoint.enable", f"--checkpoint.interval={CURVE_STEPS // 2}")
+    bf16 = run_train(
+        2,
+        bf16_config(tmp),
+        *CURVE,
+        f"--job.dump_folder={tmp / 'bf16'}",
+        "--checkpoint.enable",
+        f"--checkpoint.interval={CURVE_STEPS}",
+    )
+    fp8 = run_train(
+        2,
+        SEED_CONFIG,
+        *CURVE,
+        f"--job.dump_folder={tmp / 'fp8'}",
+        "--checkpoint.enable",
+        f"--checkpoint.interval={CURVE_STEPS // 2}",
+    )
     return {"tmp": tmp, "bf16": bf16, "fp8": fp8}
 
 
@@ -67,9 +91,15 @@ SEED_STEPS = 5
 def seed_8_ranks(tmp_path_factory):
     """The seed's run on 8 ranks, with a checkpoint at its last step."""
     dump = tmp_path_factory.mktemp("seed8")
-    log = run_train(8, SEED_CONFIG, f"--training.steps={SEED_STEPS}",
-                    "--float8_moe.fqns=experts,shared_expert", f"--job.dump_folder={dump}",
-                    "--checkpoint.enable", f"--checkpoint.interval={SEED_STEPS}")
+    log = run_train(
+        8,
+        SEED_CONFIG,
+        f"--training.steps={SEED_STEPS}",
+        "--float8_moe.fqns=experts,shared_expert",
+        f"--job.dump_folder={dump}",
+        "--checkpoint.enable",
+        f"--checkpoint.interval={SEED_STEPS}",
+    )
     return {"log": log, "checkpoint": dump / "checkpoint" / f"step-{SEED_STEPS}"}
 
 
@@ -83,7 +113,9 @@ def test_seed_layout_trains_on_8_ranks(seed_8_ranks):
     assert all(torch.isfinite(torch.tensor(v)) for v in curve.values())
     assert curve[5] < curve[1] - 0.5
     assert "running on CPU" in log and "emulated path (no CUDA device)" in log
-    shared_rows = re.findall(r"layers\.\d+\.moe\.shared_expert\.w\d +\[1, \d+, \d+\] +8 +0 +1 +7 ", log)
+    shared_rows = re.findall(
+        r"layers\.\d+\.moe\.shared_expert\.w\d +\[1, \d+, \d+\] +8 +0 +1 +7 ", log
+    )
     assert len(shared_rows) == 9, "3 MoE layers x w1/w2/w3, each 1 row/rank, 7 padding-only ranks"
     routed_rows = re.findall(r"layers\.\d+\.moe\.experts\.w\d +\[8, \d+, \d+\] +8 +0 +1 +0 ", log)
     assert len(routed_rows) == 9
@@ -112,9 +144,15 @@ def test_training_resumes_at_3_ranks_from_an_8_rank_checkpoint(seed_8_ranks, tmp
     yet"), so the run skips it as torchtitan's option allows; model, optimizer, schedule and
     step are loaded and resharded."""
     shutil.copytree(seed_8_ranks["checkpoint"], tmp_path / "checkpoint" / f"step-{SEED_STEPS}")
-    log = run_train(3, SEED_CONFIG, f"--training.steps={SEED_STEPS + 2}",
-                    f"--job.dump_folder={tmp_path}", "--checkpoint.enable",
-                    "--checkpoint.interval=100", "--checkpoint.exclude_from_loading=dataloader")
+    log = run_train(
+        3,
+        SEED_CONFIG,
+        f"--training.steps={SEED_STEPS + 2}",
+        f"--job.dump_folder={tmp_path}",
+        "--checkpoint.enable",
+        "--checkpoint.interval=100",
+        "--checkpoint.exclude_from_loading=dataloader",
+    )
     curve = losses(log)
     assert sorted(curve) == [SEED_STEPS + 1, SEED_STEPS + 2]
     assert f"Loading the checkpoint from {tmp_path / 'checkpoint' / f'step-{SEED_STEPS}'}" in log
@@ -139,10 +177,18 @@ def test_resume_from_checkpoint_matches_uninterrupted(runs):
     run's losses exactly."""
     middle = CURVE_STEPS // 2
     resumed_dir = runs["tmp"] / "resumed"
-    shutil.copytree(runs["tmp"] / "fp8" / "checkpoint" / f"step-{middle}",
-                    resumed_dir / "checkpoint" / f"step-{middle}")
-    log = run_train(2, SEED_CONFIG, *CURVE, f"--job.dump_folder={resumed_dir}",
-                    "--checkpoint.enable", f"--checkpoint.interval={middle}")
+    shutil.copytree(
+        runs["tmp"] / "fp8" / "checkpoint" / f"step-{middle}",
+        resumed_dir / "checkpoint" / f"step-{middle}",
+    )
+    log = run_train(
+        2,
+        SEED_CONFIG,
+        *CURVE,
+        f"--job.dump_folder={resumed_dir}",
+        "--checkpoint.enable",
+        f"--checkpoint.interval={middle}",
+    )
     resumed, uninterrupted = losses(log), losses(runs["fp8"])
     assert sorted(resumed) == list(range(middle + 1, CURVE_STEPS + 1))
     assert resumed == {s: uninterrupted[s] for s in resumed}
@@ -170,11 +216,18 @@ def test_killed_run_resumes_from_its_last_checkpoint(runs, tmp_path):
     start it again with the same command: it resumes from the last checkpoint on disk, redoes
     only the steps after it, and its losses from there on equal the uninterrupted run's."""
     dump = f"--job.dump_folder={tmp_path}"
-    args = ["./scripts/run_train.sh", *SMALL, *CURVE, dump, "--checkpoint.enable",
-            "--checkpoint.interval=4"]
+    args = [
+        "./scripts/run_train.sh",
+        *SMALL,
+        *CURVE,
+        dump,
+        "--checkpoint.enable",
+        "--checkpoint.interval=4",
+    ]
     env = dict(os.environ, NGPU="2", CONFIG_FILE=SEED_CONFIG)
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     killed_log = []
     try:
         for line in proc.stdout:
@@ -244,8 +297,9 @@ def test_default_config_trains_stock_llama4_eager_and_compiled():
     assert sorted(curve) == [1, 2, 3] and curve[3] < curve[1]
     assert "converted 18 expert weights of 6 modules" in log
     assert re.search(r"layers\.1\.moe\.shared_experts\.w1\.weight +\[512, 256\] +2 ", log)
-    compiled_log = run_train(2, "train_configs/llama4_debug.toml", "--training.steps=3",
-                             "--compile.enable")
+    compiled_log = run_train(
+        2, "train_configs/llama4_debug.toml", "--training.steps=3", "--compile.enable"
+    )
     assert "Compiling each TransformerBlock with torch.compile" in compiled_log
     compiled = losses(compiled_log)
     assert sorted(compiled) == [1, 2, 3]
@@ -255,13 +309,17 @@ def test_default_config_trains_stock_llama4_eager_and_compiled():
 COMPOSITIONS = {
     "ac_none": ["--activation_checkpoint.mode=none"],
     "ac_full": ["--activation_checkpoint.mode=full"],
-    "ac_selective_layer": ["--activation_checkpoint.mode=selective",
-                           "--activation_checkpoint.selective_ac_option=2"],
+    "ac_selective_layer": [
+        "--activation_checkpoint.mode=selective",
+        "--activation_checkpoint.selective_ac_option=2",
+    ],
     "reshard_always": ["--parallelism.fsdp_reshard_after_forward=always"],
     "reshard_never": ["--parallelism.fsdp_reshard_after_forward=never"],
     "fp8_weight_cache": ["--float8_moe.cache_fp8_weights"],
-    "fp8_weight_cache_ac_full": ["--float8_moe.cache_fp8_weights",
-                                 "--activation_checkpoint.mode=full"],
+    "fp8_weight_cache_ac_full": [
+        "--float8_moe.cache_fp8_weights",
+        "--activation_checkpoint.mode=full",
+    ],
 }
 
 
@@ -275,8 +333,9 @@ def default_losses():
 def test_composition_trains_with_the_same_losses(default_losses, composition):
     """Activation checkpointing and FSDP resharding change what is recomputed and when weights
     are all-gathered, not the math: the losses equal the default run's."""
-    log = run_train(2, "train_configs/llama4_debug.toml", "--training.steps=2",
-                    *COMPOSITIONS[composition])
+    log = run_train(
+        2, "train_configs/llama4_debug.toml", "--training.steps=2", *COMPOSITIONS[composition]
+    )
     curve = losses(log)
     assert sorted(curve) == [1, 2]
     assert max(abs(curve[s] - default_losses[s]) for s in curve) < 1e-4, (curve, default_losses)
@@ -287,9 +346,13 @@ def test_hsdp_replicate_x_shard():
     (the plan says degree 2: the [1, ...] shared expert pads 1 of 2 ranks), and it trains.
     (Its losses are not comparable with 4-way FSDP: torchtitan initializes the weights through
     a different mesh.)"""
-    log = run_train(4, SEED_CONFIG, "--training.steps=3",
-                    "--parallelism.data_parallel_replicate_degree=2",
-                    "--parallelism.data_parallel_shard_degree=2")
+    log = run_train(
+        4,
+        SEED_CONFIG,
+        "--training.steps=3",
+        "--parallelism.data_parallel_replicate_degree=2",
+        "--parallelism.data_parallel_shard_degree=2",
+    )
     curve = losses(log)
     assert sorted(curve) == [1, 2, 3] and curve[3] < curve[1]
     assert re.search(r"layers\.1\.moe\.shared_expert\.w1 +\[1, 512, 256\] +2 +0 +1 +1 ", log)
@@ -301,8 +364,9 @@ def test_pipeline_parallel_with_fsdp_tracks_bf16(tmp_path):
     the same run in bf16 (gap seen with PP 2 alone on 2 ranks: 0.0008)."""
     pp = ["--training.steps=2", "--parallelism.pipeline_parallel_degree=2"]
     fp8_log = run_train(4, "train_configs/llama4_debug.toml", *pp, log_rank=3)
-    bf16_log = run_train(4, bf16_config(tmp_path, "train_configs/llama4_debug.toml"), *pp,
-                         log_rank=3)
+    bf16_log = run_train(
+        4, bf16_config(tmp_path, "train_configs/llama4_debug.toml"), *pp, log_rank=3
+    )
     assert "pipeline schedule 1F1B with 2 microbatches and 2 stages" in fp8_log
     assert re.search(r"layers\.\d+\.moe\.experts\.w1 +\[8, 512, 256\] +2 +0 +4 ", fp8_log)
     fp8, bf16 = losses(fp8_log), losses(bf16_log)

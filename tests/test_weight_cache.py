@@ -67,15 +67,15 @@ def test_cache_quantizes_each_weight_once_per_step(weight_quantizations, kind, c
     cached_counts, cached = _train(kind, True, weight_quantizations, clear_after_step)
     assert uncached_counts == [{"forward": 12, "input_grad": 6}] * STEPS
     assert cached_counts == [{"forward": 3, "input_grad": 3}] * STEPS
-    for step, (expected, actual) in enumerate(zip(uncached, cached)):
-        for e, a in zip(expected, actual):
+    for step, (expected, actual) in enumerate(zip(uncached, cached, strict=True)):
+        for e, a in zip(expected, actual, strict=True):
             assert torch.equal(e, a), f"history entry {step} differs"
 
 
 def test_cache_follows_in_place_changes_and_clears():
     """A weight changed in place between two uses is re-quantized; clear_all drops the copies."""
     module = build_expert_module("linear_shared", EXPERTS)
-    (_, expert), = expert_modules(module)
+    ((_, expert),) = expert_modules(module)
     swap_expert_weights(expert, emulate=True, cache_fp8=True)
     x, _, _ = expert_inputs("linear_shared", EXPERTS, 0)
     x = x.bfloat16()
@@ -84,7 +84,7 @@ def test_cache_follows_in_place_changes_and_clears():
         expert.w1.weight.mul_(2)
     second = module(x)
     reference = build_expert_module("linear_shared", EXPERTS)
-    (_, ref_expert), = expert_modules(reference)
+    ((_, ref_expert),) = expert_modules(reference)
     swap_expert_weights(ref_expert, emulate=True)
     with torch.no_grad():
         ref_expert.w1.weight.mul_(2)

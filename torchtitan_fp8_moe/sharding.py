@@ -103,7 +103,9 @@ def format_plan(rows: list[ShardPlanRow]) -> str:
         for r in rows
     ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -50,17 +50,34 @@ class _Kind(Enum):
 # bypassed __torch_function__. (Any other op with a floating-point result raises too; this set
 # only gives the clearer message.)
 _MATMULS = {
-    aten.mm, aten.bmm, aten.addmm, aten.addbmm, aten.baddbmm, aten._grouped_mm, aten.mv,
-    aten.addmv, aten.dot, aten.vdot, aten._scaled_mm, aten._scaled_grouped_mm,
-    aten.convolution, aten._convolution,
+    aten.mm,
+    aten.bmm,
+    aten.addmm,
+    aten.addbmm,
+    aten.baddbmm,
+    aten._grouped_mm,
+    aten.mv,
+    aten.addmv,
+    aten.dot,
+    aten.vdot,
+    aten._scaled_mm,
+    aten._scaled_grouped_mm,
+    aten.convolution,
+    aten._convolution,
 }
 # Storage that FSDP2 (new_zeros: the padded shard) and Module.to_empty (empty_like) turn into the
 # weight itself.
 _NEW_WEIGHT_OPS = {aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.new_zeros}
 # Values that do not come from the weight's: optimizer states (zeros_like, full_like) stay plain.
 _UNRELATED_VALUE_OPS = {
-    aten.zeros_like, aten.ones_like, aten.full_like, aten.new_ones, aten.new_full,
-    aten.rand_like, aten.randn_like, aten.randint_like,
+    aten.zeros_like,
+    aten.ones_like,
+    aten.full_like,
+    aten.new_ones,
+    aten.new_full,
+    aten.rand_like,
+    aten.randn_like,
+    aten.randint_like,
 }
 # Not views by schema, but alias their input's storage.
 _ALIASING_OPS = {aten._unsafe_view}
@@ -76,8 +93,10 @@ def _dispatch_kind(func) -> _Kind:
         return _Kind.METADATA_MUTATION
     if func._schema.is_mutable:
         return _Kind.MUTATION
-    if func.is_view or packet in _ALIASING_OPS or any(
-        r.alias_info is not None for r in func._schema.returns
+    if (
+        func.is_view
+        or packet in _ALIASING_OPS
+        or any(r.alias_info is not None for r in func._schema.returns)
     ):
         return _Kind.VIEW
     if packet in _COPY_OPS or torch.Tag.view_copy in tags:
@@ -177,8 +196,13 @@ class Float8MoEWeight(torch.Tensor):
         if self._cache is None:
             return self._derived(data, None)
         kind = (
-            data.dtype, data.device, data.shape, data.stride(),
-            self.shape, self.stride(), self.storage_offset(),
+            data.dtype,
+            data.device,
+            data.shape,
+            data.stride(),
+            self.shape,
+            self.stride(),
+            self.storage_offset(),
         )
         return self._derived(data, self._cache.cache_of_copy(kind))
 
@@ -228,7 +252,8 @@ class Float8MoEWeight(torch.Tensor):
             if isinstance(a, cls) or not isinstance(weight, cls):
                 raise NotImplementedError(
                     f"float8_moe: {func.__name__} with a Float8MoEWeight as its left operand "
-                    f"(shape {list(a.shape)}) is not supported; the weight must be the right operand"
+                    f"(shape {list(a.shape)}) is not supported; the weight must be the right "
+                    "operand"
                 )
             return handler(a, weight, *args[2:], **kwargs)
         with torch._C.DisableTorchFunctionSubclass():

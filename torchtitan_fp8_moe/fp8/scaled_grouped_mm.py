@@ -37,9 +37,7 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         b_fp8, b_scale = _quantize_weight(b, "forward", quantize.weight, cached)
         ctx.save_for_backward(a, b, offs)
         ctx.use_cuda_kernels, ctx.cached = use_cuda_kernels, cached
-        return gemm.grouped_mm(
-            a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, use_cuda_kernels
-        )
+        return gemm.grouped_mm(a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, use_cuda_kernels)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -52,9 +50,7 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
             b_t_fp8, b_t_scale = _quantize_weight(
                 b, "input_grad", quantize.weight_transposed, ctx.cached
             )
-            grad_a = gemm.grouped_mm(
-                grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, a.dtype, cuda
-            )
+            grad_a = gemm.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, a.dtype, cuda)
         if ctx.needs_input_grad[1]:
             a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(a, grad_out, offs)
             grad_b = gemm.grouped_wgrad_mm(

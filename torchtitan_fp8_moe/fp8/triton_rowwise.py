@@ -20,7 +20,12 @@ MAX_ROW = 16384
 
 @triton.jit
 def _rowwise_fp8_kernel(
-    x_ptr, out_ptr, scale_ptr, n_cols, FP8_LIMIT: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    n_cols,
+    FP8_LIMIT: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -50,7 +55,13 @@ def rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n_rows:
         block = triton.next_power_of_2(n_cols)
         _rowwise_fp8_kernel[(n_rows,)](
-            x, out, scales, n_cols, FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK=block,
+            x,
+            out,
+            scales,
+            n_cols,
+            FP8_LIMIT=FP8_MAX,
+            AMAX_FLOOR=AMAX_FLOOR,
+            BLOCK=block,
             num_warps=max(4, min(16, block // 512)),
         )
     return out, scales

@@ -94,9 +94,7 @@ class WeightQuantCache:
         self._generation += 1
         self.clear()
         if self._parent is not None:
-            self._parent._copies = {
-                k: c for k, c in self._parent._copies.items() if c is not self
-            }
+            self._parent._copies = {k: c for k, c in self._parent._copies.items() if c is not self}
             self._parent = None
 
     def cache_of_copy(self, kind: tuple) -> "WeightQuantCache":
