@@ -47,7 +47,8 @@ def _expected(layers, shared):
 
 def test_toml_selects_converter_and_swaps_exactly_the_experts(tmp_path):
     toml = tmp_path / "job.toml"
-    toml.write_text(textwrap.dedent("""
+    toml.write_text(
+        textwrap.dedent("""
         [job]
         custom_config_module = "torchtitan_fp8_moe.config"
         [model]
@@ -57,13 +58,15 @@ def test_toml_selects_converter_and_swaps_exactly_the_experts(tmp_path):
         [float8_moe]
         recipe = "rowwise"
         fqns = ["experts", "shared_expert"]
-    """))
+    """)
+    )
     model, (converter,) = _convert([f"--job.config_file={toml}"])
     assert isinstance(converter, Float8MoEConverter)
     # Llama4 debugmodel: MoE on every second layer (1 and 3 of 4); nothing else is touched.
     assert _converted_names(model) == _expected([1, 3], shared=True)
-    assert [row.fqn for row in converter.shard_plan] == sorted(_expected([1, 3], True), key=list(
-        n for n, _ in model.named_parameters()).index)
+    assert [row.fqn for row in converter.shard_plan] == sorted(
+        _expected([1, 3], True), key=list(n for n, _ in model.named_parameters()).index
+    )
 
 
 def test_cli_override_selects_only_shared_expert():
@@ -95,7 +98,9 @@ def test_emulated_path_and_shard_plan_are_logged(caplog):
     with caplog.at_level(logging.INFO):
         model, (converter,) = _convert([CUSTOM_CONFIG, "--model.converters=float8_moe"])
     assert all(p.emulate for p in model.parameters() if isinstance(p, Float8MoEWeight))
-    (message,) = [r.getMessage() for r in caplog.records if "float8_moe: converted" in r.getMessage()]
+    (message,) = [
+        r.getMessage() for r in caplog.records if "float8_moe: converted" in r.getMessage()
+    ]
     assert "converted 12 expert weights of 4 modules" in message
     assert "emulated path (no CUDA device)" in message
     assert "padding-only ranks" in message
@@ -108,7 +113,12 @@ def test_shard_plan_rows():
     _, (converter,) = _convert([CUSTOM_CONFIG, "--model.converters=float8_moe"])
     rows = {r.fqn: r for r in converter.shard_plan}
     w1 = rows["layers.1.moe.experts.w1"]
-    assert (w1.fsdp_degree, w1.rows_per_rank, w1.padding_only_ranks, w1.padding_bytes) == (8, 1, 0, 0)
+    assert (w1.fsdp_degree, w1.rows_per_rank, w1.padding_only_ranks, w1.padding_bytes) == (
+        8,
+        1,
+        0,
+        0,
+    )
     assert rows["layers.1.moe.shared_experts.w2.weight"].rows_per_rank == 32
     _, (converter,) = _convert(
         [CUSTOM_CONFIG, "--model.converters=float8_moe"], _parallel_dims(world_size=6)
@@ -137,21 +147,31 @@ def test_unsupported_parallelism_is_refused_at_start_up(option):
     name = option.split("=")[0].lstrip("-")
     degrees = {"tp": 2} if "tensor" in option else {"ep": 2}
     with pytest.raises(ValueError, match=rf"{name} = 2 is not supported yet"):
-        _convert([CUSTOM_CONFIG, "--model.converters=float8_moe", option], _parallel_dims(**degrees))
+        _convert(
+            [CUSTOM_CONFIG, "--model.converters=float8_moe", option], _parallel_dims(**degrees)
+        )
 
 
 def test_float8_linear_converter_claiming_shared_experts_is_refused():
     """torchtitan's quantize.linear.float8 would also convert the FeedForward shared experts:
     one of the two converters must leave them alone."""
-    args = [CUSTOM_CONFIG, "--model.converters=quantize.linear.float8,float8_moe",
-            "--quantize.linear.float8.emulate"]
-    with pytest.raises(ValueError, match=r"layers\.1\.moe\.shared_experts is a FeedForward that "
-                       r"quantize\.linear\.float8 converts too.*filter_fqns"):
+    args = [
+        CUSTOM_CONFIG,
+        "--model.converters=quantize.linear.float8,float8_moe",
+        "--quantize.linear.float8.emulate",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.1\.moe\.shared_experts is a FeedForward that "
+        r"quantize\.linear\.float8 converts too.*filter_fqns",
+    ):
         _convert(args)
-    model, converters = _convert(args + ["--quantize.linear.float8.filter_fqns=output,router.gate,shared_experts"])
+    model, converters = _convert(
+        args + ["--quantize.linear.float8.filter_fqns=output,router.gate,shared_experts"]
+    )
     assert _converted_names(model) == _expected([1, 3], shared=True)
     assert type(model.layers["0"].feed_forward.w1).__name__ == "Float8Linear"
-    assert type(model.layers["1"].moe.shared_experts.w1) is torch.nn.Linear
+    assert type(model.layers["1"].moe.shared_experts.w1).__name__ == "Float8MoELinear"
 
 
 def test_shard_plan_with_expert_parallelism():
@@ -161,9 +181,19 @@ def test_shard_plan_with_expert_parallelism():
 
     dims = _parallel_dims(world_size=8, ep=2)  # efsdp = 8 / 2 = 4; 4 x 2 <= 16 experts
     row = plan_expert_weight("w1", (16, 512, 256), dims, True, 2, "emulated")
-    assert (row.shape, row.fsdp_degree, row.shard_dim, row.rows_per_rank) == ((8, 512, 256), 4, 0, 2)
+    assert (row.shape, row.fsdp_degree, row.shard_dim, row.rows_per_rank) == (
+        (8, 512, 256),
+        4,
+        0,
+        2,
+    )
     dims = _parallel_dims(world_size=8, ep=4)  # efsdp 2 x EP 4 = 8 > 4 experts: dim 1
     row = plan_expert_weight("w1", (4, 512, 256), dims, True, 2, "emulated")
-    assert (row.shape, row.fsdp_degree, row.shard_dim, row.rows_per_rank) == ((1, 512, 256), 2, 1, 256)
+    assert (row.shape, row.fsdp_degree, row.shard_dim, row.rows_per_rank) == (
+        (1, 512, 256),
+        2,
+        1,
+        256,
+    )
     row = plan_expert_weight("shared.w1", (1, 512, 256), dims, False, 2, "emulated")
     assert (row.fsdp_degree, row.rows_per_rank, row.padding_only_ranks) == (8, 1, 7)

@@ -14,7 +14,14 @@ from torchtitan.tools.logging import logger
 from .config import SUPPORTED_RECIPES, Float8MoE
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
 from .sharding import ShardPlanRow, format_plan, plan_expert_weight
-from .swap import expert_modules, is_grouped_experts, swap_expert_weights
+from .swap import (
+    compact_fqns,
+    describe_non_experts,
+    expert_modules,
+    is_grouped_experts,
+    num_experts,
+    swap_expert_weights,
+)
 from .weight import fp8_kernels_available
 
 # torchtitan's converters for dense linears, and where their exclusion lists live.
@@ -91,17 +98,18 @@ class Float8MoEConverter:
         self.shard_plan: list[ShardPlanRow] = []
 
     def convert(self, model: nn.Module) -> None:
+        """Convert the expert modules (recognised by structure, ``swap.py``) whose FQN contains
+        one of ``fqns``."""
         candidates = expert_modules(model)
         targets = [(fqn, m) for fqn, m in candidates if any(p in fqn for p in self.fqns)]
         if not targets:
-            raise ValueError(
-                f"float8_moe: fqns {self.fqns} match none of the model's expert modules "
-                f"{[fqn for fqn, _ in candidates]}; set float8_moe.fqns to substrings of those"
-            )
+            raise ValueError(self._no_match_message(model, candidates))
         for module_fqn, module in targets:
             self._check_not_claimed_by_linear_converters(module_fqn, module)
         for module_fqn, module in targets:
-            is_routed = is_grouped_experts(module) and module_fqn.split(".")[-1] == "experts"
+            # Routed experts are the grouped ones with several experts (EP splits those); a
+            # grouped [1, out, in] expert or a feed-forward is shared.
+            is_routed = is_grouped_experts(module) and num_experts(module) > 1
             for name, param in swap_expert_weights(module, self.emulate, self.cache_fp8_weights):
                 fqn = f"{module_fqn}.{name}"
                 self._check_shape(fqn, param)
@@ -112,6 +120,33 @@ class Float8MoEConverter:
             f"fp8 weight cache {'on' if self.cache_fp8_weights else 'off'}; FSDP shard plan:\n"
             + format_plan(self.shard_plan)
         )
+
+    def _no_match_message(self, model: nn.Module, candidates: list[tuple[str, nn.Module]]) -> str:
+        """What was looked at and why nothing converts: the expert modules the fqns missed,
+        then every other module holding parameters, grouped by class."""
+        fix = (
+            "set float8_moe.fqns to substrings of those FQNs"
+            if candidates
+            else "the model has none; leave float8_moe out of model.converters for it"
+        )
+        lines = [
+            f"float8_moe: fqns {self.fqns} match none of the model's expert modules "
+            f"{[fqn for fqn, _ in candidates]}; {fix}. Modules looked at, by class:"
+        ]
+        by_class: dict[str, list[str]] = {}
+        for fqn, module in candidates:
+            by_class.setdefault(type(module).__name__, []).append(fqn)
+        for cls, fqns in by_class.items():
+            lines.append(
+                f"  {cls} x{len(fqns)} ({compact_fqns(fqns)}): expert module, FQN matches "
+                "none of float8_moe.fqns"
+            )
+        lines += [f"  {line}" for line in describe_non_experts(model)]
+        lines.append(
+            "  (expert modules are: >= 2 floating 3D [E, out, in] parameters with one E and no "
+            "parameter above 3D (grouped experts), or nn.Linear children w1/w2/w3)"
+        )
+        return "\n".join(lines)
 
     def _check_not_claimed_by_linear_converters(self, module_fqn: str, module: nn.Module):
         if is_grouped_experts(module):

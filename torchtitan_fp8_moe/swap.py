@@ -1,20 +1,64 @@
-"""Which modules hold expert weights, and swapping their weights for `Float8MoEWeight`."""
+"""Which modules hold expert weights, and swapping their weights for `Float8MoEWeight`.
+
+Expert modules are recognised by what they hold, not by class name, so a user's own MoE module of
+the same shape converts like torchtitan's:
+- grouped experts: every floating-point ``nn.Parameter`` of 3 or more dims held directly by the
+  module is 3D ``[E, out, in]``, with the same expert count E, and there are at least two of them
+  (an up and a down projection). torchtitan's ``GroupedExperts`` (``w1/w2/w3``), GPT-OSS's
+  ``GptOssGroupedExperts`` (``mlp1_weight/mlp2_weight``; its 2D biases stay plain) and the
+  ``[1, out, in]`` grouped shared expert qualify; a ``Conv1d`` (one 3D weight) or a module with
+  a 4D parameter does not. The module must use them through ``torch._grouped_mm``, ``bmm`` or
+  2D matmuls of ``w[e]``: any other use of a converted weight raises (``weight.py``);
+- FeedForward-style experts: ``nn.Linear`` children ``w1/w2/w3`` (torchtitan's shared experts).
+"""
+
+from collections import defaultdict
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .tensor_parallel import Float8MoELinear
 from .weight import Float8MoEWeight
 
 _PROJECTIONS = ("w1", "w2", "w3")
 
 
+def grouped_weight_names(module: nn.Module) -> list[str]:
+    """Names of the 3D floating-point parameters held directly by ``module``."""
+    return [
+        name
+        for name, param in module.named_parameters(recurse=False)
+        if param.ndim == 3 and param.is_floating_point()
+    ]
+
+
+def grouped_experts_mismatch(module: nn.Module) -> str | None:
+    """Why ``module`` is not a grouped-experts module (None when it is one)."""
+    params = dict(module.named_parameters(recurse=False))
+    if not params:
+        return "holds no parameters of its own"
+    higher = [f"{name} ({p.ndim}D)" for name, p in params.items() if p.ndim > 3]
+    if higher:
+        return f"has parameters of more than 3 dims: {', '.join(higher)}"
+    integer = [name for name, p in params.items() if p.ndim == 3 and not p.is_floating_point()]
+    if integer:
+        return f"has non-floating-point 3D parameters: {', '.join(integer)}"
+    names = grouped_weight_names(module)
+    if not names:
+        dims = ", ".join(f"{name} {p.ndim}D" for name, p in params.items())
+        return f"no 3D [E, out, in] parameters ({dims})"
+    if len(names) < 2:
+        return f"one 3D parameter ({names[0]}); grouped experts have at least two [E, out, in]"
+    expert_counts = {name: params[name].shape[0] for name in names}
+    if len(set(expert_counts.values())) > 1:
+        counts = ", ".join(f"{name} E={count}" for name, count in expert_counts.items())
+        return f"3D parameters with different expert counts ({counts})"
+    return None
+
+
 def is_grouped_experts(module: nn.Module) -> bool:
-    """A grouped-experts module: 3D parameters w1/w2/w3 (``[E, H, D]``, ``[E, D, H]``, ``[E, H, D]``)."""
-    return all(
-        isinstance(getattr(module, name, None), nn.Parameter)
-        and getattr(module, name).ndim == 3
-        for name in _PROJECTIONS
-    )
+    """Grouped experts: two or more 3D ``[E, out, in]`` weights with one E (module docstring)."""
+    return grouped_experts_mismatch(module) is None
 
 
 def is_feed_forward(module: nn.Module) -> bool:
@@ -22,22 +66,60 @@ def is_feed_forward(module: nn.Module) -> bool:
     return all(isinstance(getattr(module, name, None), nn.Linear) for name in _PROJECTIONS)
 
 
+def is_expert_module(module: nn.Module) -> bool:
+    return is_grouped_experts(module) or is_feed_forward(module)
+
+
+def num_experts(module: nn.Module) -> int:
+    """E of a grouped-experts module; 1 for a feed-forward (one expert of linears)."""
+    if is_grouped_experts(module):
+        return getattr(module, grouped_weight_names(module)[0]).shape[0]
+    return 1
+
+
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(FQN, module) of every grouped-experts or feed-forward module in ``model``."""
+    return [(fqn, module) for fqn, module in model.named_modules() if is_expert_module(module)]
+
+
+def describe_non_experts(model: nn.Module, max_fqns: int = 3) -> list[str]:
+    """One line per (class, reason) for the modules holding parameters that are not expert
+    modules: ``Linear x12 (layers.0.attention.wq, ...): no 3D [E, out, in] parameters (...)``.
+    Modules holding none (containers) are left out; the linears of a feed-forward expert too."""
+    expert_linears = {
+        id(getattr(module, name))
+        for _, module in expert_modules(model)
+        if is_feed_forward(module)
+        for name in _PROJECTIONS
+    }
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for fqn, module in model.named_modules():
+        if is_expert_module(module) or id(module) in expert_linears:
+            continue
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        groups[(type(module).__name__, grouped_experts_mismatch(module))].append(fqn or "<root>")
     return [
-        (fqn, module)
-        for fqn, module in model.named_modules()
-        if is_grouped_experts(module) or is_feed_forward(module)
+        f"{cls} x{len(fqns)} ({compact_fqns(fqns, max_fqns)}): {reason}"
+        for (cls, reason), fqns in groups.items()
     ]
+
+
+def compact_fqns(fqns: list[str], max_fqns: int = 3) -> str:
+    """At most ``max_fqns`` FQNs and the last one, for messages about many layers."""
+    if len(fqns) <= max_fqns + 1:
+        return ", ".join(fqns)
+    return f"{', '.join(fqns[:max_fqns])}, ... {fqns[-1]} ({len(fqns) - max_fqns - 1} more)"
 
 
 def swap_expert_weights(
     module: nn.Module, emulate: bool, cache_fp8: bool = False
 ) -> list[tuple[str, nn.Parameter]]:
-    """Wrap the w1/w2/w3 weights of an expert module in place; returns (name, new parameter)
-    with names relative to ``module`` (``w1`` for grouped experts, ``w1.weight`` for linears)."""
+    """Wrap the expert weights of an expert module in place; returns (name, new parameter) with
+    names relative to ``module``: its 3D parameters for grouped experts (``w1``,
+    ``mlp1_weight``; other parameters such as biases stay plain), ``w1.weight`` for linears."""
     if is_grouped_experts(module):
-        owners = [(name, module, name) for name in _PROJECTIONS]
+        owners = [(name, module, name) for name in grouped_weight_names(module)]
     elif is_feed_forward(module):
         owners = [(f"{name}.weight", getattr(module, name), "weight") for name in _PROJECTIONS]
         for name, linear, _ in owners:
@@ -48,7 +130,11 @@ def swap_expert_weights(
                     "module from one of the two converters"
                 )
     else:
-        raise TypeError(f"float8_moe: {type(module).__name__} is not an expert module")
+        raise TypeError(
+            f"float8_moe: {type(module).__name__} is not an expert module: it is no "
+            f"feed-forward (nn.Linear w1/w2/w3) and no grouped experts "
+            f"({grouped_experts_mismatch(module)})"
+        )
     swapped = []
     for name, owner, attr in owners:
         param = getattr(owner, attr)
@@ -59,9 +145,17 @@ def swap_expert_weights(
         )
         setattr(owner, attr, new_param)
         swapped.append((name, new_param))
+    if is_feed_forward(module):
+        # Float8MoELinear multiplies in fp8 under tensor parallelism too (tensor_parallel.py).
+        for name in _PROJECTIONS:
+            setattr(module, name, Float8MoELinear.from_linear(getattr(module, name)))
     module.register_state_dict_post_hook(_plain_state_dict)
     module.register_load_state_dict_post_hook(_invalidate_fp8_caches)
     return swapped
+
+
+def _local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _plain(tensor):
@@ -75,10 +169,6 @@ def _plain(tensor):
             stride=tensor.stride(),
         )
     return tensor._data if isinstance(tensor, Float8MoEWeight) else tensor
-
-
-def _local(tensor):
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _invalidate_fp8_caches(module, incompatible_keys) -> None:
