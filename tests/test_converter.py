@@ -140,15 +140,30 @@ def test_plan_matches_all_gather_padding_in_real_fsdp(dist_results):
         assert result["grads_finite"] and result["loss"] > 0
 
 
-@pytest.mark.parametrize(
-    "option", ["--parallelism.tensor_parallel_degree=2", "--parallelism.expert_parallel_degree=2"]
-)
-def test_unsupported_parallelism_is_refused_at_start_up(option):
-    name = option.split("=")[0].lstrip("-")
-    degrees = {"tp": 2} if "tensor" in option else {"ep": 2}
-    with pytest.raises(ValueError, match=rf"{name} = 2 is not supported yet"):
+def test_tensor_parallel_plan_rows():
+    """TP 2 x FSDP 4: routed experts split on the hidden dim (w1/w3 dim 1, w2 dim 2), the
+    FeedForward shared expert colwise (w1/w3 dim 0) / rowwise (w2 dim 1); FSDP over what each
+    rank holds. The log names the split and the shape each rank multiplies."""
+    model, (converter,) = _convert(
+        [CUSTOM_CONFIG, "--model.converters=float8_moe", "--parallelism.tensor_parallel_degree=2"],
+        _parallel_dims(tp=2),
+    )
+    rows = {r.fqn: r for r in converter.shard_plan}
+    expected = {
+        "layers.1.moe.experts.w1": ("tp 2 (dim 1)", (8, 256, 256), 4),
+        "layers.1.moe.experts.w2": ("tp 2 (dim 2)", (8, 256, 256), 4),
+        "layers.1.moe.shared_experts.w1.weight": ("tp 2 (dim 0)", (256, 256), 4),
+        "layers.1.moe.shared_experts.w2.weight": ("tp 2 (dim 1)", (256, 256), 4),
+    }
+    for fqn, (split, local, degree) in expected.items():
+        row = rows[fqn]
+        assert (row.model_parallel, row.local_shape, row.fsdp_degree) == (split, local, degree)
+
+
+def test_tensor_parallel_degree_that_splits_a_weight_unevenly_is_named():
+    with pytest.raises(ValueError, match=r"splits dim 1 over tensor parallelism of degree 3"):
         _convert(
-            [CUSTOM_CONFIG, "--model.converters=float8_moe", option], _parallel_dims(**degrees)
+            [CUSTOM_CONFIG, "--model.converters=float8_moe"], _parallel_dims(world_size=6, tp=3)
         )
 
 
@@ -180,7 +195,7 @@ def test_shard_plan_with_expert_parallelism():
     from torchtitan_fp8_moe.sharding import plan_expert_weight
 
     dims = _parallel_dims(world_size=8, ep=2)  # efsdp = 8 / 2 = 4; 4 x 2 <= 16 experts
-    row = plan_expert_weight("w1", (16, 512, 256), dims, True, 2, "emulated")
+    row = plan_expert_weight("w1", (16, 512, 256), dims, "routed", 2, "emulated")
     assert (row.shape, row.fsdp_degree, row.shard_dim, row.rows_per_rank) == (
         (8, 512, 256),
         4,
@@ -188,12 +203,12 @@ def test_shard_plan_with_expert_parallelism():
         2,
     )
     dims = _parallel_dims(world_size=8, ep=4)  # efsdp 2 x EP 4 = 8 > 4 experts: dim 1
-    row = plan_expert_weight("w1", (4, 512, 256), dims, True, 2, "emulated")
+    row = plan_expert_weight("w1", (4, 512, 256), dims, "routed", 2, "emulated")
     assert (row.shape, row.fsdp_degree, row.shard_dim, row.rows_per_rank) == (
         (1, 512, 256),
         2,
         1,
         256,
     )
-    row = plan_expert_weight("shared.w1", (1, 512, 256), dims, False, 2, "emulated")
+    row = plan_expert_weight("shared.w1", (1, 512, 256), dims, "grouped", 2, "emulated")
     assert (row.fsdp_degree, row.rows_per_rank, row.padding_only_ranks) == (8, 1, 7)

@@ -51,16 +51,6 @@ class Float8MoEConverter:
             )
         if not config.fqns:
             raise ValueError("float8_moe: fqns is empty; name the expert modules to convert")
-        for option, degree in (
-            ("parallelism.tensor_parallel_degree", parallel_dims.tp),
-            ("parallelism.expert_parallel_degree", parallel_dims.ep),
-        ):
-            if degree > 1:
-                raise ValueError(
-                    f"float8_moe: {option} = {degree} is not supported yet (the sharded expert "
-                    f"weights would reach plain matmuls); set {option} = 1, or drop float8_moe "
-                    "from model.converters"
-                )
         self.fqns = list(config.fqns)
         self.cache_fp8_weights = config.cache_fp8_weights
         self.parallel_dims = parallel_dims
@@ -108,12 +98,16 @@ class Float8MoEConverter:
             self._check_not_claimed_by_linear_converters(module_fqn, module)
         for module_fqn, module in targets:
             # Routed experts are the grouped ones with several experts (EP splits those); a
-            # grouped [1, out, in] expert or a feed-forward is shared.
-            is_routed = is_grouped_experts(module) and num_experts(module) > 1
+            # grouped [1, out, in] expert or a feed-forward is shared (sharded like the dense
+            # layers).
+            kind = "linear"
+            if is_grouped_experts(module):
+                kind = "routed" if num_experts(module) > 1 else "grouped"
             for name, param in swap_expert_weights(module, self.emulate, self.cache_fp8_weights):
                 fqn = f"{module_fqn}.{name}"
-                self._check_shape(fqn, param)
-                self.shard_plan.append(self._plan(fqn, param, is_routed))
+                row = self._plan(fqn, param, kind)
+                self._check_shape(fqn, param, row.local_shape)
+                self.shard_plan.append(row)
         logger.info(
             f"float8_moe: converted {len(self.shard_plan)} expert weights of "
             f"{len(targets)} modules to fp8 rowwise, {self.path} path ({self.path_reason}), "
@@ -159,21 +153,23 @@ class Float8MoEConverter:
                     f"{name}.filter_fqns, or leave it out of float8_moe.fqns"
                 )
 
-    def _check_shape(self, fqn: str, param: torch.Tensor) -> None:
+    def _check_shape(self, fqn: str, param: torch.Tensor, local_shape: tuple[int, ...]) -> None:
+        """fp8 GEMMs of the shard each rank multiplies need both matrix dims aligned."""
         if self.emulate:
             return
-        k, n = param.shape[-1], param.shape[-2]
+        k, n = local_shape[-1], local_shape[-2]
         if k % FP8_GROUP_ALIGNMENT_SIZE or n % FP8_GROUP_ALIGNMENT_SIZE:
             raise ValueError(
-                f"float8_moe: {fqn} has shape {list(param.shape)}; fp8 kernels need both matrix "
-                f"dims to be multiples of {FP8_GROUP_ALIGNMENT_SIZE}. Leave it out of "
-                "float8_moe.fqns."
+                f"float8_moe: {fqn} has shape {list(param.shape)}, {list(local_shape)} per rank "
+                f"after tensor/expert parallelism; fp8 kernels need both matrix dims to be "
+                f"multiples of {FP8_GROUP_ALIGNMENT_SIZE}. Leave it out of float8_moe.fqns or "
+                "lower parallelism.tensor_parallel_degree."
             )
 
-    def _plan(self, fqn: str, param: torch.Tensor, is_routed: bool) -> ShardPlanRow:
+    def _plan(self, fqn: str, param: torch.Tensor, kind: str) -> ShardPlanRow:
         itemsize = (self.all_gather_dtype or param.dtype).itemsize
         return plan_expert_weight(
-            fqn, tuple(param.shape), self.parallel_dims, is_routed, itemsize, self.path
+            fqn, tuple(param.shape), self.parallel_dims, kind, itemsize, self.path
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:

@@ -39,13 +39,15 @@ def padded_shard_shape(
 @dataclass(frozen=True)
 class ShardPlanRow:
     fqn: str
-    shape: tuple[int, ...]  # logical shape FSDP shards (after expert parallelism, if any)
+    shape: tuple[int, ...]  # the shape FSDP shards: after tensor and expert parallelism
     fsdp_degree: int
     shard_dim: int
     rows_per_rank: int
     padding_only_ranks: int
     padding_bytes: int  # zero rows all-gathered per step, over all ranks
     path: str  # which fp8 implementation runs this weight's matmuls
+    model_parallel: str = "-"  # the TP / EP mesh dims splitting the weight, and on which dims
+    local_shape: tuple[int, ...] = ()  # what each rank multiplies (FSDP gathers the rest)
 
 
 def plan_weight(
@@ -55,6 +57,7 @@ def plan_weight(
     shard_dim: int,
     all_gather_itemsize: int,
     path: str,
+    model_parallel: str = "-",
 ) -> ShardPlanRow:
     dim_size = shape[shard_dim]
     if shard_dim != 0 and dim_size % fsdp_degree != 0:
@@ -75,6 +78,8 @@ def plan_weight(
         padding_only_ranks=fsdp_degree - ranks_with_data,
         padding_bytes=padding_rows * row_numel * all_gather_itemsize,
         path=path,
+        model_parallel=model_parallel,
+        local_shape=tuple(shape),
     )
 
 
@@ -88,6 +93,8 @@ def format_plan(rows: list[ShardPlanRow]) -> str:
         "padding-only ranks",
         "padding bytes",
         "fp8 path",
+        "TP/EP",
+        "local shape",
     )
     cells = [header] + [
         (
@@ -99,6 +106,8 @@ def format_plan(rows: list[ShardPlanRow]) -> str:
             str(r.padding_only_ranks),
             str(r.padding_bytes),
             r.path,
+            r.model_parallel,
+            str(list(r.local_shape)),
         )
         for r in rows
     ]
@@ -110,23 +119,59 @@ def format_plan(rows: list[ShardPlanRow]) -> str:
     return "\n".join(lines)
 
 
+# Which dim tensor parallelism splits, per kind of expert weight and projection (torchtitan 0.2.2's
+# plans: TensorParallel / ExpertTensorParallel for grouped [E, out, in] weights, Colwise / Rowwise
+# for linears [out, in]). Up projections (w1, w3, mlp1) are split on their output dim, down
+# projections (w2, mlp2) on their input dim.
+_TP_DIM = {("grouped", "up"): 1, ("grouped", "down"): 2, ("linear", "up"): 0, ("linear", "down"): 1}
+
+
+def projection(fqn: str) -> str:
+    """ "down" for a down projection (``w2``, ``mlp2_weight``), else "up"."""
+    name = fqn.split(".")[-1] if not fqn.endswith(".weight") else fqn.split(".")[-2]
+    return "down" if name in ("w2", "mlp2_weight") else "up"
+
+
 def plan_expert_weight(
     fqn: str,
     shape: tuple[int, ...],
     dims: "ParallelDims",
-    is_routed: bool,
+    kind: str,
     itemsize: int,
     path: str,
 ) -> ShardPlanRow:
-    """How torchtitan's Llama4 parallelization will FSDP-shard one expert weight."""
-    shape = list(shape)
+    """How torchtitan's Llama4 parallelization will split one expert weight: tensor and expert
+    parallelism first, then FSDP over what each rank holds. ``kind``: "routed" (grouped experts
+    with E > 1), "grouped" (a grouped [1, out, in] shared expert) or "linear"."""
+    local = list(shape)
+    splits = []
+    routed = kind == "routed"
+    if routed and dims.ep_enabled:
+        local[0] //= dims.ep
+        splits.append(f"ep {dims.ep} (dim 0)")
+    # TP splits the routed experts unless it is borrowed for EP (ep > 1, etp = 1); it splits
+    # every shared expert.
+    tp_degree = dims.etp if routed and dims.ep_enabled else dims.tp
+    if tp_degree > 1:
+        tp_dim = _TP_DIM[("linear" if kind == "linear" else "grouped", projection(fqn))]
+        if local[tp_dim] % tp_degree:
+            raise ValueError(
+                f"float8_moe: {fqn} of shape {list(shape)} splits dim {tp_dim} over tensor "
+                f"parallelism of degree {tp_degree}, which must divide it evenly; change "
+                "parallelism.tensor_parallel_degree"
+            )
+        local[tp_dim] //= tp_degree
+        mesh = "etp" if routed and dims.ep_enabled else "tp"
+        splits.append(f"{mesh} {tp_degree} (dim {tp_dim})")
     shard_dim = 0
     degree = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-    if is_routed and dims.ep_enabled:
-        # Routed experts: EP splits the experts, FSDP shards them over the rest (efsdp), on
-        # dim 1 when that leaves fewer experts than FSDP ranks (torchtitan's rule).
+    if routed and dims.ep_enabled:
+        # Routed experts under EP: FSDP over the rest (efsdp), on dim 1 when that leaves fewer
+        # experts than FSDP ranks (torchtitan's rule).
         degree = dims.dp_shard * dims.cp * dims.tp // (dims.etp * dims.ep)
         if degree * dims.ep > shape[0]:
             shard_dim = 1
-        shape[0] //= dims.ep
-    return plan_weight(fqn, tuple(shape), degree, shard_dim, itemsize, path)
+    row = plan_weight(
+        fqn, tuple(local), degree, shard_dim, itemsize, path, ", ".join(splits) or "-"
+    )
+    return row
