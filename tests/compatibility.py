@@ -35,19 +35,43 @@ ROWS = [
         ["test_train.py::test_pipeline_parallel_with_fsdp_tracks_bf16"],
     ),
     (
-        "Expert parallelism (`expert_parallel_degree` > 1)",
-        REFUSED,
-        "error names the option; the EP shard plan (incl. dim-1 sharding) is computed and tested",
+        "Tensor parallelism (`tensor_parallel_degree` > 1), with FSDP; expert-tensor "
+        "parallelism (`expert_tensor_parallel_degree` = TP)",
+        WORKS,
+        "loss within 5e-4 and expert gradients above 25 dB of the unsharded converted model; "
+        "plan = real sharding; trainer losses within 0.02 of bf16 TP (routed, FeedForward and "
+        "grouped shared experts)",
         [
-            "test_converter.py::test_unsupported_parallelism_is_refused_at_start_up",
+            "test_parallel.py::test_parallelism_matches_unsharded_converted_model",
+            "test_parallel.py::test_shard_plan_matches_the_real_sharding",
+            "test_train_parallel.py::test_parallelism_trains_tracking_bf16",
+            "test_converter.py::test_tensor_parallel_plan_rows",
+        ],
+    ),
+    (
+        "Expert parallelism (`expert_parallel_degree` > 1), with FSDP (dim-1 sharding when "
+        "efsdp x EP exceeds the experts), with ETP, and TP borrowed for EP",
+        WORKS,
+        "as for TP; the dim-1 case trains with the plan's shard dim",
+        [
+            "test_parallel.py::test_parallelism_matches_unsharded_converted_model",
+            "test_parallel.py::test_shard_plan_matches_the_real_sharding",
+            "test_train_parallel.py::test_parallelism_trains_tracking_bf16",
             "test_converter.py::test_shard_plan_with_expert_parallelism",
         ],
     ),
     (
-        "Tensor parallelism (`tensor_parallel_degree` > 1)",
+        "Tensor parallelism with pipeline parallelism (the Maverick preset's shape)",
+        WORKS,
+        "TP 2 x PP 2 trainer losses within 0.02 of bf16",
+        ["test_train_parallel.py::test_parallelism_trains_tracking_bf16"],
+    ),
+    (
+        "Expert parallelism with `selective` op activation checkpointing, on CPU",
         REFUSED,
-        "error names the option",
-        ["test_converter.py::test_unsupported_parallelism_is_refused_at_start_up"],
+        "fails in torchtitan 0.2.2 itself on CPU (bf16 too); trains on 2 H200s; the error names "
+        "the options",
+        ["test_converter.py::test_expert_parallel_selective_op_ac_is_refused_on_cpu"],
     ),
     (
         "`quantize.linear.float8` / `quantize.linear.mx` on the dense layers",
@@ -95,6 +119,8 @@ ROWS = [
         [
             "test_weight_cache.py::test_cache_quantizes_each_weight_once_per_step",
             "test_weight_cache.py::test_cache_follows_in_place_changes_and_clears",
+            "test_weight_cache.py::test_cache_never_serves_a_stale_copy_after_a_write",
+            "test_weight_cache.py::test_cache_after_a_checkpoint_load",
             "test_train.py::test_composition_trains_with_the_same_losses",
         ],
     ),
@@ -134,6 +160,17 @@ ROWS = [
         ],
     ),
     (
+        "Other MoE models: DeepSeek-V3, Qwen3-MoE (CPU); GPT-OSS experts (numerics; its trainer "
+        "needs FlexAttention's backward, GPU only); a user's own module of the same shape",
+        WORKS,
+        "trainer losses within 0.03 of bf16; SQNR bars; structural recognition",
+        [
+            "test_models.py::test_debug_model_trains_in_fp8_tracking_bf16",
+            "test_models.py::test_gpt_oss_experts_sqnr_vs_float32",
+            "test_models.py::test_users_own_moe_module_converts_by_structure",
+        ],
+    ),
+    (
         "Token groups of zero tokens",
         WORKS,
         "an empty expert in every routed FSDP case",
@@ -152,10 +189,12 @@ ROWS = [
     (
         "A matmul form without an fp8 path; fp8 kernels missing",
         REFUSED,
-        "raises instead of running in bf16",
+        "raises instead of running in bf16, also after any chain of views (hypothesis)",
         [
             "test_numerics.py::test_unsupported_call_form_raises_instead_of_bf16",
             "test_numerics.py::test_non_emulated_weight_without_fp8_kernels_raises",
+            "test_fail_closed.py::test_unsupported_call_form_raises",
+            "test_fail_closed.py::test_view_chains_then_matmul_are_fp8_or_raise",
         ],
     ),
     (

@@ -128,6 +128,7 @@ def test_shard_plan_rows():
     assert (w1.rows_per_rank, w1.padding_only_ranks, w1.padding_bytes) == (2, 2, 4 * 512 * 256 * 2)
 
 
+@pytest.mark.slow
 def test_plan_matches_all_gather_padding_in_real_fsdp(dist_results):
     """World size 3: the converter's plan equals what each weight pads to at all-gather."""
     ranks = dist_results("llama4", 3)
@@ -165,6 +166,29 @@ def test_tensor_parallel_degree_that_splits_a_weight_unevenly_is_named():
         _convert(
             [CUSTOM_CONFIG, "--model.converters=float8_moe"], _parallel_dims(world_size=6, tp=3)
         )
+
+
+def test_expert_parallel_selective_op_ac_is_refused_on_cpu():
+    """torchtitan 0.2.2 cannot recompute EP's token dispatch under selective op AC on CPU (bf16
+    too); on a machine without CUDA the converter says so, naming the options."""
+    args = [
+        CUSTOM_CONFIG,
+        "--model.converters=float8_moe",
+        "--parallelism.expert_parallel_degree=2",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r'expert_parallel_degree = 2 with .*selective_ac_option = "op" fails on CPU',
+    ):
+        _convert(
+            args
+            + [
+                "--activation_checkpoint.mode=selective",
+                "--activation_checkpoint.selective_ac_option=op",
+            ],
+            _parallel_dims(ep=2),
+        )
+    _convert(args + ["--activation_checkpoint.mode=full"], _parallel_dims(ep=2))
 
 
 def test_float8_linear_converter_claiming_shared_experts_is_refused():

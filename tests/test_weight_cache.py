@@ -183,3 +183,13 @@ def test_copies_share_a_cache_until_one_is_written():
         torch.nn.functional.linear(x, c),
         torch.nn.functional.linear(x, Float8MoEWeight(w._data.float(), emulate=True)),
     )
+
+
+def test_cache_under_fsdp_follows_writes_into_the_shard(dist_results):
+    """FSDP2 over 2 ranks, cache on: after a forward, a write into the shard's plain data and a
+    DCP load each reach the next forward (equal to a module without the cache)."""
+    for rank, results in enumerate(dist_results("cache_writes", 2)):
+        assert "error" not in results, f"rank {rank}: {results.get('traceback')}"
+        for write, outcome in results.items():
+            assert outcome["matches_uncached"], (rank, write)
+        assert results["shard plain data"]["changed"], rank

@@ -36,6 +36,20 @@ _LINEAR_CONVERTERS = {
 plan_target: str | None = None
 
 
+def _check_cpu_composition(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Compositions that torchtitan 0.2.2 itself cannot run on CPU (bf16 included)."""
+    ac = job_config.activation_checkpoint
+    if parallel_dims.ep > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
+        raise ValueError(
+            f"float8_moe: parallelism.expert_parallel_degree = {parallel_dims.ep} with "
+            'activation_checkpoint.mode = "selective" and selective_ac_option = "op" fails on '
+            "CPU in torchtitan 0.2.2 itself, in bf16 too (an op of the expert-parallel token "
+            "dispatch is recomputed differently); it trains on GPUs. On CPU set "
+            'activation_checkpoint.mode = "full" or "none", or selective_ac_option to a layer '
+            "count."
+        )
+
+
 class Float8MoEConverter:
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
         config: Float8MoE | None = getattr(job_config, "float8_moe", None)
@@ -65,6 +79,8 @@ class Float8MoEConverter:
             else None
         )
         on_cuda = torch.cuda.is_available() if plan_target is None else plan_target == "cuda"
+        if not on_cuda:
+            _check_cpu_composition(job_config, parallel_dims)
         self.emulate = config.emulate or not on_cuda
         if self.emulate:
             self.path = "emulated"

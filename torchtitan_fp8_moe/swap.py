@@ -158,17 +158,20 @@ def _local(tensor):
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _plain(tensor):
-    if isinstance(tensor, DTensor) and isinstance(_local(tensor), Float8MoEWeight):
+def _plain(param):
+    """The plain tensor holding a converted parameter's values: the data of the parameter's own
+    (local) weight tensor, not of a view made for the state dict, so a write into it (a DCP
+    load) is seen by the weight's fp8 cache, which watches that tensor's version."""
+    if isinstance(param, DTensor) and isinstance(param._local_tensor, Float8MoEWeight):
         return DTensor.from_local(
-            tensor.to_local()._data,
-            tensor.device_mesh,
-            tensor.placements,
+            param._local_tensor._data,
+            param.device_mesh,
+            param.placements,
             run_check=False,
-            shape=tensor.shape,
-            stride=tensor.stride(),
+            shape=param.shape,
+            stride=param.stride(),
         )
-    return tensor._data if isinstance(tensor, Float8MoEWeight) else tensor
+    return param._data if isinstance(param, Float8MoEWeight) else param
 
 
 def _invalidate_fp8_caches(module, incompatible_keys) -> None:
@@ -183,6 +186,7 @@ def _invalidate_fp8_caches(module, incompatible_keys) -> None:
 def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
     """State dicts hold plain tensors that share storage with the weights, so checkpoints load
     without this package and in-place loads (DCP) still land in the weights."""
-    for key, value in state_dict.items():
-        if key.startswith(prefix):
-            state_dict[key] = _plain(value)
+    for name, param in module.named_parameters():
+        key = prefix + name
+        if key in state_dict and isinstance(_local(param), Float8MoEWeight):
+            state_dict[key] = _plain(param)

@@ -1,6 +1,7 @@
 """Model variants this plugin registers with torchtitan: `llama4_grouped_shared` (the seed's
 shared-expert layout) and `llama4_scout_slices` (torchtitan's Llama4 at Scout width with 2 or 4
-layers). Both offer the `scout_2layers` and `scout_4layers` flavors."""
+layers). Both offer the `scout_2layers` and `scout_4layers` flavors; `llama4_grouped_shared` also
+`debugmodel_2experts`."""
 
 from dataclasses import replace
 
@@ -14,8 +15,19 @@ from .scout_slices import SCOUT_SLICES
 LLAMA4_SCOUT_SLICES = "llama4_scout_slices"
 
 grouped_shared = grouped_shared_train_spec()
+_debugmodel = grouped_shared.model_args["debugmodel"]
+# Two experts: expert parallelism 2 x FSDP 2 then exceeds the expert count, the case where
+# torchtitan shards the experts on dim 1 (tests/test_train_parallel.py).
+DEBUG_2_EXPERTS = {
+    "debugmodel_2experts": replace(
+        _debugmodel, moe_args=replace(_debugmodel.moe_args, num_experts=2)
+    )
+}
 register_train_spec(
     LLAMA4_GROUPED_SHARED,
-    replace(grouped_shared, model_args={**grouped_shared.model_args, **SCOUT_SLICES}),
+    replace(
+        grouped_shared,
+        model_args={**grouped_shared.model_args, **SCOUT_SLICES, **DEBUG_2_EXPERTS},
+    ),
 )
 register_train_spec(LLAMA4_SCOUT_SLICES, replace(get_train_spec(), model_args=SCOUT_SLICES))
