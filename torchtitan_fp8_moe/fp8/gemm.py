@@ -7,30 +7,73 @@ to fp32 accumulation order.
 
 Grouped shapes follow ``torch._grouped_mm``: ``offs`` holds the int32 end offset of each group
 along the token dimension M. Rows past the last offset belong to no group and come out as zeros.
-The emulation works on group masks, never reading the offsets on the host, so it traces under
-``torch.compile(fullgraph=True)`` as the CUDA kernels do.
+The emulation dequantizes and runs ``torch._grouped_mm`` in fp32, so its work grows with the
+tokens, not with tokens x groups; a non-finite weight or scale of one group never reaches another
+group's tokens. It never reads the offsets on the host (group ids come from ``bucketize``), so it
+traces under ``torch.compile(fullgraph=True)`` as the CUDA kernels do.
 """
 
 import torch
+import torch.nn.functional as F
 
 from .quantize import dequantize
 
-
-def group_masks(offs: torch.Tensor, tokens: int) -> torch.Tensor:
-    """``[G, M]`` float mask: 1 where token m belongs to group g."""
-    ends = offs.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    token = torch.arange(tokens, device=offs.device)
-    return ((token >= starts[:, None]) & (token < ends[:, None])).float()
+# torch._grouped_mm wants 16-byte aligned strides: fp32 rows a multiple of 4 elements.
+FP32_ALIGNMENT = 4
 
 
-def per_token(values: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """``[M, C]``: row m holds ``values [G, C]`` of token m's group (zeros for tokens of no
-    group). Indexing, not ``masks.t() @ values``, so a non-finite value of one group never
-    reaches another group's tokens (0 * inf is NaN), as in the CUDA kernels."""
-    group = masks.argmax(dim=0)
-    in_a_group = masks.sum(dim=0) > 0
-    return torch.where(in_a_group[:, None], values[group], 0)
+def token_groups(offs: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``[M]`` group index of each token; ``G`` (one past the last group) for tokens of no group."""
+    token = torch.arange(tokens, device=offs.device, dtype=offs.dtype)
+    return torch.bucketize(token, offs, right=True)
+
+
+def per_token(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """``[M, C]``: row m holds ``values [G, C]`` of token m's group (``groups`` from
+    ``token_groups``; zeros for tokens of no group). Indexing, not a one-hot product, so a
+    non-finite value of one group never reaches another group's tokens (0 * inf is NaN)."""
+    no_group = values.new_zeros((1, values.shape[1]))
+    return torch.cat([values, no_group])[groups]
+
+
+def padded(x: torch.Tensor, *dims: int) -> torch.Tensor:
+    """``x`` zero-padded at the end of each of ``dims`` (negative) to a multiple of
+    FP32_ALIGNMENT. Zeros add nothing to a dot product; no copy when already aligned."""
+    pad = [0] * (2 * x.dim())
+    for dim in dims:
+        pad[2 * (-dim - 1) + 1] = -x.shape[dim] % FP32_ALIGNMENT
+    return F.pad(x, pad) if any(pad) else x
+
+
+# The fp32 grouped GEMMs are custom ops: torch.compile's shape rule for _grouped_mm accepts bf16
+# only, so compiled code calls them as one opaque op (the same kernel eager runs).
+@torch.library.custom_op("torchtitan_fp8_moe::grouped_mm_fp32", mutates_args=())
+def grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a [M, K]`` times ``b [G, K, N]`` per group -> ``[M, N]``; rows of no group are 0."""
+    tokens, n = a.shape[0], b.shape[-1]
+    out = torch._grouped_mm(padded(a, -1), padded(b, -2, -1), offs=offs)[:, :n]
+    # _grouped_mm leaves the rows of no group unwritten.
+    token = torch.arange(tokens, device=offs.device, dtype=offs.dtype)
+    return torch.where((token < offs[-1])[:, None], out, 0)
+
+
+@grouped_mm_fp32.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[-1]))
+
+
+@torch.library.custom_op("torchtitan_fp8_moe::grouped_wgrad_mm_fp32", mutates_args=())
+def grouped_wgrad_mm_fp32(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per group ``a_g^T @ grad_g`` of fp32 ``a [M, K]``, ``grad [M, N]`` -> ``[G, K, N]``; an
+    empty group gives zeros and rows of no group are never read."""
+    k, n = a.shape[1], grad.shape[1]
+    out = torch._grouped_mm(padded(a, -1).t(), padded(grad, -1), offs=offs)
+    return out[:, :k, :n].contiguous()
+
+
+@grouped_wgrad_mm_fp32.register_fake
+def _(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((offs.shape[0], a.shape[1], grad.shape[1]))
 
 
 def column_major(x: torch.Tensor) -> torch.Tensor:
@@ -70,11 +113,8 @@ def grouped_mm(
                 use_fast_accum=True,
             )
         return out.to(out_dtype)
-    masks = group_masks(offs, a.shape[0])
-    per_group = torch.einsum("mk,gkn->gmn", dequantize(a, a_scale), dequantize(b, b_scale))
-    # Each token takes its own group's product; where, not a 0/1 product, keeps another
-    # group's non-finite weights out of it.
-    return torch.where(masks[:, :, None] > 0, per_group, 0).sum(0).to(out_dtype)
+    out = grouped_mm_fp32(dequantize(a, a_scale), dequantize(b, b_scale), offs)
+    return out.to(out_dtype)
 
 
 def grouped_wgrad_mm(
@@ -112,11 +152,9 @@ def grouped_wgrad_mm(
                 use_fast_accum=True,
             )
         return out.transpose(-2, -1).to(out_dtype)
-    masks = group_masks(offs, a.shape[0])
-    # Each token's row is unscaled with its own group's scales (rows of no group: zero), and
-    # each group sums only its own tokens.
-    a_hp = a.float() * per_token(a_scale.reciprocal(), masks)
-    grad_hp = grad.float() * per_token(grad_scale.reciprocal(), masks)
-    a_per_group = torch.where(masks[:, :, None] > 0, a_hp, 0)
-    return torch.einsum("gmk,mn->gkn", a_per_group, grad_hp).to(out_dtype)
-
+    groups = token_groups(offs, a.shape[0])
+    # Each token's row is unscaled with its own group's scales; each group sums only its own
+    # tokens.
+    a_hp = a.float() * per_token(a_scale.reciprocal(), groups)
+    grad_hp = grad.float() * per_token(grad_scale.reciprocal(), groups)
+    return grouped_wgrad_mm_fp32(a_hp, grad_hp, offs).to(out_dtype)

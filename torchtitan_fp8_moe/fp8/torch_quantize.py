@@ -2,7 +2,7 @@
 
 import torch
 
-from .gemm import group_masks, per_token
+from .gemm import per_token, token_groups
 from .quantize import quantize_rowwise, scales_from_amax, to_fp8
 
 
@@ -21,18 +21,26 @@ def weight_transposed(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rowwise(b.transpose(-2, -1), dim=-2)
 
 
-def _per_group_along_tokens(x: torch.Tensor, masks: torch.Tensor):
-    if x.shape[0] == 0:  # no tokens at all (an idle expert in the for-loop path)
-        amax = x.new_zeros((masks.shape[0], x.shape[1]), dtype=torch.float32)
-    else:
-        in_group = masks[:, :, None] > 0
-        amax = torch.where(in_group, x.detach().abs().float()[None], 0).amax(dim=1)  # [G, C]
-    scales = scales_from_amax(amax)
-    return to_fp8(x, per_token(scales, masks)), scales
+def _amax_per_group(x: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[G, C]`` amax of |x| over each group's tokens (0 for an empty group): one pass over
+    the tokens. NaN propagates, as in ``amax``; rows of no group land in a dropped extra row."""
+    magnitude = x.detach().abs().float()
+    amax = magnitude.new_zeros((num_groups + 1, x.shape[1]))
+    index = groups[:, None].expand_as(magnitude)
+    return amax.scatter_reduce(0, index, magnitude, "amax", include_self=True)[:num_groups]
+
+
+def _per_group_along_tokens(x: torch.Tensor, groups: torch.Tensor, num_groups: int):
+    scales = scales_from_amax(_amax_per_group(x, groups, num_groups))
+    return to_fp8(x, per_token(scales, groups)), scales
 
 
 def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
     """Per-group scales over tokens for the weight-gradient GEMM: ``(a_fp8, a_scales [G, K],
     grad_fp8, grad_scales [G, N])``. Rows of no group quantize to zero."""
-    masks = group_masks(offs, a.shape[0])
-    return (*_per_group_along_tokens(a, masks), *_per_group_along_tokens(grad, masks))
+    groups = token_groups(offs, a.shape[0])
+    num_groups = offs.shape[0]
+    return (
+        *_per_group_along_tokens(a, groups, num_groups),
+        *_per_group_along_tokens(grad, groups, num_groups),
+    )
