@@ -488,6 +488,14 @@ def suite_cache_writes(mesh) -> dict:
                 "matches_uncached": torch.equal(after, expected),
             }
         dist.barrier()
+    # DTensor's full_tensor() of a converted weight gathers it as a converted weight.
+    cached.reshard()
+    fresh.reshard()
+    full = cached.experts.w1.full_tensor()
+    results["full_tensor"] = {
+        "type": type(full).__name__,
+        "values_equal": torch.equal(full._data, fresh.experts.w1.full_tensor()),
+    }
     return results
 
 

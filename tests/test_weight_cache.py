@@ -190,6 +190,8 @@ def test_cache_under_fsdp_follows_writes_into_the_shard(dist_results):
     DCP load each reach the next forward (equal to a module without the cache)."""
     for rank, results in enumerate(dist_results("cache_writes", 2)):
         assert "error" not in results, f"rank {rank}: {results.get('traceback')}"
+        full_tensor = results.pop("full_tensor")
         for write, outcome in results.items():
             assert outcome["matches_uncached"], (rank, write)
         assert results["shard plain data"]["changed"], rank
+        assert full_tensor == {"type": "Float8MoEWeight", "values_equal": True}, rank

@@ -7,8 +7,9 @@ safe side:
 - views and aliases (``func.is_view``, or a return that aliases an input: ``squeeze``, ``unbind``,
   ``expand``, ``t``, FSDP's chunks) stay wrapped and share the weight's fp8 cache;
 - copies (``_to_copy``, ``clone``, ``*_copy`` ops) stay wrapped, with a cache of their own;
-- pointwise ops (``w * 2``, an optimizer's ``grad + wd * w``) give a new wrapped weight, so what is
-  computed from the weight is still multiplied in fp8 only;
+- pointwise ops (``w * 2``, an optimizer's ``grad + wd * w``) and collectives (DTensor's
+  ``full_tensor()``) give a new wrapped weight, so what is computed from the weight is still
+  multiplied in fp8 only;
 - ops that write into an argument (in-place, ``out=``, ``copy_``, foreach) run on the plain data;
   a written weight drops its cached fp8 copies;
 - results that cannot be a matmul operand (bool or integer tensors, 0-dim statistics such as
@@ -42,7 +43,7 @@ class _Kind(Enum):
     COPY = "copy"
     NEW_WEIGHT = "new weight"  # storage that becomes a weight (FSDP shards, to_empty)
     UNRELATED_VALUES = "unrelated values"  # takes only the shape: optimizer states
-    POINTWISE = "pointwise"
+    DERIVED = "derived"  # pointwise math, collectives: a new weight computed from this one
     OTHER = "other"
 
 
@@ -105,8 +106,12 @@ def _dispatch_kind(func) -> _Kind:
         return _Kind.NEW_WEIGHT
     if packet in _UNRELATED_VALUE_OPS:
         return _Kind.UNRELATED_VALUES
-    if torch.Tag.pointwise in tags or packet.__name__.startswith("_foreach_"):
-        return _Kind.POINTWISE
+    if (
+        torch.Tag.pointwise in tags
+        or packet.__name__.startswith("_foreach_")
+        or func.namespace == "_c10d_functional"  # DTensor's full_tensor, redistribute
+    ):
+        return _Kind.DERIVED
     return _Kind.OTHER
 
 
@@ -295,7 +300,7 @@ class Float8MoEWeight(torch.Tensor):
             return _wrap_floats(out, source._copy)
         if kind is _Kind.NEW_WEIGHT:
             return _wrap_floats(out, lambda t: cls(t, source.emulate, source.cache_fp8))
-        if kind is _Kind.POINTWISE:
+        if kind is _Kind.DERIVED:
             # 0-dim results are statistics (a foreach norm), not matmul operands.
             return _wrap_floats(out, lambda t: cls(t, source.emulate), min_dim=1)
         if kind is not _Kind.UNRELATED_VALUES and any(
