@@ -256,10 +256,14 @@ def suite_reshape(mesh) -> dict:
     plain = spec.model_cls(model_args)
     plain_state = plain.state_dict()
     dcp.load(plain_state, checkpoint_id=checkpoint)
-    matches = all(
-        torch.equal(_local(p.full_tensor() if isinstance(p, DTensor) else p), plain_state[name])
-        for name, p in model.named_parameters()
-    )
+    # The stored values, gathered from every rank's shard (a list, not all(): every rank must
+    # join every collective).
+    gathered = {
+        name: t.full_tensor() if isinstance(t, DTensor) else t
+        for name, t in model.state_dict().items()
+        if name in plain_state
+    }
+    matches = all([torch.equal(t, plain_state[name]) for name, t in gathered.items()])
     tokens = _fixed_tokens(model_args.vocab_size)
     with torch.no_grad():
         logits = model(tokens[:, :-1]).float()
