@@ -199,10 +199,11 @@ def compare(result: dict) -> None:
         return
     result["ratio"] = round(fp8["median_step_s"] / bf16["median_step_s"], 3)
     result["ratio_best_step"] = round(fp8["best_step_s"] / bf16["best_step_s"], 3)
+    fp8_runs = {r["repeat"]: r for r in fp8["runs"] if "median_step_s" in r}
     result["ratio_per_repeat"] = [
-        round(f["median_step_s"] / b["median_step_s"], 3)
-        for b, f in zip(bf16["runs"], fp8["runs"], strict=True)
-        if "median_step_s" in b and "median_step_s" in f
+        round(fp8_runs[b["repeat"]]["median_step_s"] / b["median_step_s"], 3)
+        for b in bf16["runs"]
+        if "median_step_s" in b and b["repeat"] in fp8_runs
     ]
     result["within_2x"] = result["ratio"] <= 2.0
 
@@ -250,6 +251,8 @@ def markdown(report: dict) -> str:
         "",
         "    " + report["command"],
         "",
+        f"Runs done: {report['runs_done']}.",
+        "",
         f"torchtitan's trainer through `scripts/run_train.sh` on `{s['config']}` (model and flavor "
         f"by overrides), NGPU={s['ngpu']} CPU processes over gloo, seq_len {s['seq_len']}, local "
         f"batch {s['local_batch_size']}, {s['steps']} steps; bf16 is the same config with "
@@ -272,6 +275,22 @@ def markdown(report: dict) -> str:
     if failures:
         lines += ["Failed runs:", "", *failures, ""]
     return "\n".join(lines)
+
+
+def write_report(report: dict, runs: dict, args) -> None:
+    """Summarize the runs so far into ``report`` and write its JSON and markdown."""
+    done = sum(len(r) for by_variant in runs.values() for r in by_variant.values())
+    report["runs_done"] = f"{done} of {len(runs) * len(VARIANTS) * args.repeat}"
+    report["host"]["load_avg_end"] = round(os.getloadavg()[0], 2)
+    report["results"] = {}
+    for model, by_variant in runs.items():
+        result = {v: summarize(by_variant[v]) for v in VARIANTS}
+        compare(result)
+        report["results"][model] = result
+    out = REPO / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
 
 
 def main() -> None:
@@ -310,19 +329,9 @@ def main() -> None:
         for model in models:
             for variant in order:
                 runs[model][variant].append(run_variant(model, variant, repeat, args, bf16))
-    report["host"]["load_avg_end"] = round(os.getloadavg()[0], 2)
-    results = {}
-    for model in models:
-        result = {v: summarize(runs[model][v]) for v in VARIANTS}
-        compare(result)
-        results[model] = result
-    report["results"] = results
-    out = REPO / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    md = markdown(report)
-    out.with_suffix(".md").write_text(md)
-    print("\n".join(table(results)))
+                # Written after every run, so an interrupted benchmark keeps what it measured.
+                write_report(report, runs, args)
+    print("\n".join(table(report["results"])))
 
 
 if __name__ == "__main__":

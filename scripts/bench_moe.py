@@ -1,6 +1,6 @@
 """Benchmark bf16, torchao 0.18's fp8 rowwise and float8_moe on Llama4 Scout MoE shapes.
 
-    python scripts/bench_moe.py [--quick] [--cases C,..] [--tokens M,..] [--profile]
+    python scripts/bench_moe.py [--quick] [--cases C,..] [--tokens M,..] [--profile] [--tp N]
         [--out docs/benchmarks/h200.json]
 
 Forward + backward (input and weight gradients) of: one routed-expert projection (w1: D -> H,
@@ -9,7 +9,9 @@ FeedForward shared expert's first linear, and a whole torchtitan Llama4 MoE laye
 routed experts top-1, one shared expert). Times are triton do_bench medians in one process on
 one GPU. SQNR is of the output (and gradients) against the bf16 run. Writes the JSON rows and a
 PNG chart next to it. With --profile each row also gets the GPU time per step of its largest
-kernels (torch profiler), the breakdown behind a speedup. Needs CUDA with fp8 (sm89+).
+kernels (torch profiler), the breakdown behind a speedup. With --tp N the projections have the
+shapes one rank multiplies under tensor (and expert-tensor) parallelism of degree N: the hidden
+dim split N ways, every token on every rank. Needs CUDA with fp8 (sm89+).
 """
 
 import argparse
@@ -148,7 +150,15 @@ def main() -> None:
         action="store_true",
         help="also record each implementation's per-kernel GPU time per step",
     )
+    parser.add_argument(
+        "--tp", type=int, default=1, help="per-rank shapes of tensor parallelism of this degree"
+    )
     args = parser.parse_args()
+    global HIDDEN
+    if args.tp > 1:
+        if args.cases is None or "moe_layer" in args.cases.split(","):
+            raise SystemExit("--tp: name the projection cases with --cases (not moe_layer)")
+        HIDDEN //= args.tp
     from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
     set_token_group_alignment_size_m(16)  # fp8 grouped GEMMs need 16-row token groups
@@ -173,6 +183,8 @@ def main() -> None:
             bf16_ms, _, ref, _ = results["bf16"]
             for impl, result in results.items():
                 row = {"case": case, "tokens": tokens, "impl": impl}
+                if args.tp > 1:
+                    row["tp"] = args.tp
                 if isinstance(result, str):
                     row.update(ms=None, error=result)
                 else:

@@ -1,13 +1,16 @@
 """End-to-end: torchtitan's trainer, bf16 vs float8_moe, with and without torch.compile.
 
     python scripts/bench_train.py [--ngpu 1] [--config train_configs/llama4_scout_2layers.toml]
-        [--variants bf16,float8_moe,bf16+compile,float8_moe+compile] [--out docs/...json]
-        [-- extra torchtitan overrides]
+        [--variants bf16,float8_moe,bf16+compile,float8_moe+compile] [--repeat 3]
+        [--out docs/...json] [-- extra torchtitan overrides]
 
 Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
 per-step log lines, and reports the median tokens/s per device and the peak reserved memory over
 the steps after warm-up, the loss curve, and the speedup over bf16 of the same compile setting.
-Writes the rows as JSON and the raw logs next to it.
+With ``--repeat N`` every variant runs N times, interleaved (bf16, fp8, bf16, fp8, ...) so that
+drift of the machine hits all variants alike; a variant's tokens/s is then the median of its
+runs' medians, with the spread (min, max) and every run's value beside it. Writes the rows as
+JSON and the raw logs next to it.
 """
 
 import argparse
@@ -33,7 +36,7 @@ def _without_converters(config: str, folder: Path) -> Path:
     return path
 
 
-def run_variant(variant: str, args, extra: list[str]) -> dict:
+def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
     config = args.config
     if variant.startswith("bf16"):
         config = _without_converters(args.config, Path(args.out).parent)
@@ -48,7 +51,10 @@ def run_variant(variant: str, args, extra: list[str]) -> dict:
         ["./scripts/run_train.sh", *overrides], cwd=REPO, env=env, capture_output=True, text=True
     )
     log = ANSI_COLOR.sub("", proc.stdout + proc.stderr)
-    log_path = Path(args.out).with_name(f"{Path(args.out).stem}_{variant.replace('+', '_')}.log")
+    suffix = f"_run{run}" if args.repeat > 1 else ""
+    log_path = Path(args.out).with_name(
+        f"{Path(args.out).stem}_{variant.replace('+', '_')}{suffix}.log"
+    )
     log_path.write_text(log)
     steps = {
         int(s): (float(loss), float(mem), int(tps.replace(",", "")))
@@ -57,6 +63,7 @@ def run_variant(variant: str, args, extra: list[str]) -> dict:
     timed = [steps[s] for s in steps if s > args.warmup]
     row = {
         "variant": variant,
+        "run": run,
         "ngpu": args.ngpu,
         "returncode": proc.returncode,
         "steps_logged": len(steps),
@@ -82,30 +89,58 @@ def main() -> None:
     parser.add_argument("--variants", default="bf16,float8_moe,bf16+compile,float8_moe+compile")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the medians")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per variant, interleaved")
     parser.add_argument("--out", default="docs/benchmarks/h200_train.json")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for variant in args.variants.split(","):
-        rows.append(run_variant(variant, args, extra))
-        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    variants = args.variants.split(",")
+    runs: list[dict] = []
+    for run in range(args.repeat):
+        for variant in variants:
+            runs.append(run_variant(variant, args, extra, run))
+            Path(args.out).write_text(json.dumps(runs, indent=1) + "\n")
+    rows = [_summary([r for r in runs if r["variant"] == v]) for v in variants]
     baselines = {
         r["variant"].removeprefix("bf16"): r.get("tokens_per_s_median")
         for r in rows
         if r["variant"].startswith("bf16")
     }
-    print(f"{'variant':22} {'tokens/s':>10} {'vs bf16':>8} {'mem GiB':>8} {'final loss':>10}")
+    print(
+        f"{'variant':22} {'tokens/s':>10} {'min-max':>15} {'vs bf16':>8} {'mem GiB':>8} "
+        f"{'final loss':>10}"
+    )
     for r in rows:
         base = baselines.get(r["variant"].removeprefix("float8_moe").removeprefix("bf16"))
         tps = r.get("tokens_per_s_median")
         if tps is not None and base:
             r["speedup_vs_bf16"] = round(tps / base, 3)
+        spread = f"{r['tokens_per_s_min']}-{r['tokens_per_s_max']}" if tps else "-"
         print(
-            f"{r['variant']:22} {tps or 'failed':>10} {r.get('speedup_vs_bf16', '-'):>8} "
-            f"{r.get('memory_max_reserved_gib', '-'):>8} {r.get('final_loss', '-'):>10}"
+            f"{r['variant']:22} {tps or 'failed':>10} {spread:>15} "
+            f"{r.get('speedup_vs_bf16', '-'):>8} {r.get('memory_max_reserved_gib', '-'):>8} "
+            f"{r.get('final_loss', '-'):>10}"
         )
-    Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps({"variants": rows, "runs": runs}, indent=1) + "\n")
+
+
+def _summary(runs: list[dict]) -> dict:
+    """One variant over its runs: the median of the runs' tokens/s, their spread, the peak
+    memory, and the first run's losses (the runs share seed and data)."""
+    done = [r for r in runs if "tokens_per_s_median" in r]
+    row = {"variant": runs[0]["variant"], "runs": len(runs), "runs_ok": len(done)}
+    if done:
+        per_run = [r["tokens_per_s_median"] for r in done]
+        row.update(
+            tokens_per_s_median=statistics.median(per_run),
+            tokens_per_s_min=min(per_run),
+            tokens_per_s_max=max(per_run),
+            tokens_per_s_runs=per_run,
+            memory_max_reserved_gib=max(r["memory_max_reserved_gib"] for r in done),
+            final_loss=done[0]["final_loss"],
+            losses=done[0]["losses"],
+        )
+    return row
 
 
 if __name__ == "__main__":

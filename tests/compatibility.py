@@ -67,6 +67,24 @@ ROWS = [
         ["test_train_parallel.py::test_parallelism_trains_tracking_bf16"],
     ),
     (
+        "torch.compile with TP 2 x FSDP 2 or EP 2 x FSDP 4; HSDP (2 x 2) with TP 2",
+        WORKS,
+        "trainer losses within 0.02 of bf16 with the same parallelism; a second TP x compile run "
+        "with the first's cache directory trains alike (torch's compile caches are off under "
+        "TP: pytorch/pytorch#176532)",
+        [
+            "test_train_parallel.py::test_parallelism_trains_tracking_bf16",
+            "test_train_parallel.py::test_tensor_parallel_compiled_run_starts_again_with_warm_caches",
+        ],
+    ),
+    (
+        "Tensor parallelism with torch.compile and `selective` op activation checkpointing, on CPU",
+        REFUSED,
+        "fails in torch 2.13 itself on CPU (bf16 too); not tried on GPUs; the error names the "
+        "options",
+        ["test_converter.py::test_tensor_parallel_compile_selective_op_ac_is_refused_on_cpu"],
+    ),
+    (
         "Expert parallelism with `selective` op activation checkpointing, on CPU",
         REFUSED,
         "fails in torchtitan 0.2.2 itself on CPU (bf16 too); trains on 2 H200s; the error names "
@@ -142,6 +160,20 @@ ROWS = [
             "test_train.py::test_checkpoint_from_8_ranks_gives_the_same_loss_at_3_and_2",
             "test_train.py::test_training_resumes_at_3_ranks_from_an_8_rank_checkpoint",
         ],
+    ),
+    (
+        "Checkpoint written under TP 2 x FSDP 2 or EP 2 x FSDP 4, loaded under FSDP only, and "
+        "the other way round",
+        WORKS,
+        "the loading run's next loss equals the writing run's within 0.002 (same data-parallel "
+        "degree, so the data loader state loads too)",
+        ["test_train_parallel.py::test_checkpoint_loads_under_another_parallelism"],
+    ),
+    (
+        "`DTensor.full_tensor()` of a converted weight (ranks holding only padding included)",
+        WORKS,
+        "the whole unpadded weight, still converted, equal to the unsharded one, world 1-8",
+        ["test_fsdp_uneven.py::test_uneven_fsdp_matches_unsharded"],
     ),
     (
         "Checkpoint loaded without the plugin",

@@ -113,6 +113,16 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
                 diffs["param"], _max_diff(_local(sharded.get_parameter(name)), expected)
             )
     check_gathered(exact=False)
+    # DTensor.full_tensor(), a collective that every rank joins (padding-only ranks too): the
+    # whole weight without the padding, still converted.
+    result["full_tensor_converted"] = True
+    diffs["full_tensor"] = 0.0
+    for name, ref_param in ref.named_parameters():
+        full = sharded.get_parameter(name).full_tensor()
+        result["full_tensor_converted"] &= (
+            type(full).__name__ == "Float8MoEWeight" and full.shape == ref_param.shape
+        )
+        diffs["full_tensor"] = max(diffs["full_tensor"], _max_diff(_local(full), ref_param._data))
     result["scale"] = max(p.detach()._data.abs().max().item() for p in ref.parameters())
     result.update(diffs)
     if case["cache_fp8"]:

@@ -191,6 +191,22 @@ def test_expert_parallel_selective_op_ac_is_refused_on_cpu():
     _convert(args + ["--activation_checkpoint.mode=full"], _parallel_dims(ep=2))
 
 
+def test_tensor_parallel_compile_selective_op_ac_is_refused_on_cpu():
+    """torch 2.13 fails TP x compile x selective op AC on CPU in bf16 too; without compile, or
+    with full AC, it converts."""
+    args = [
+        CUSTOM_CONFIG,
+        "--model.converters=float8_moe",
+        "--parallelism.tensor_parallel_degree=2",
+        "--activation_checkpoint.mode=selective",
+        "--activation_checkpoint.selective_ac_option=op",
+    ]
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree = 2 with compile.enable"):
+        _convert(args + ["--compile.enable"], _parallel_dims(tp=2))
+    _convert(args, _parallel_dims(tp=2))
+    _convert(args + ["--compile.enable", "--activation_checkpoint.mode=full"], _parallel_dims(tp=2))
+
+
 def test_float8_linear_converter_claiming_shared_experts_is_refused():
     """torchtitan's quantize.linear.float8 would also convert the FeedForward shared experts:
     one of the two converters must leave them alone."""

@@ -108,6 +108,27 @@ def test_weight_quantizers_match_the_torch_rules():
         assert torch.equal(data.float(), ref_data.float()), name
 
 
+def test_per_group_kernel_matches_the_torch_rules_for_every_token_count():
+    """Our per-group column-wise cast (the weight gradient's operands) equals the torch rules
+    for token counts that change from call to call, as they do under expert parallelism, and
+    with empty groups and rows past the last group."""
+    from torchtitan_fp8_moe.fp8 import torch_quantize, triton_quantize
+
+    torch.manual_seed(0)
+    for tokens in (16, 200, 1000, 4111):
+        a = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16) * 1e-3
+        ends = sorted(torch.randint(0, tokens + 1, (E - 1,)).tolist()) + [tokens - tokens % 16]
+        offs = torch.tensor(sorted(ends), device="cuda", dtype=torch.int32)
+        got = triton_quantize.per_group_pair(a, grad, offs)
+        want = torch_quantize.per_group_pair(a, grad, offs)
+        rows = int(offs[-1])
+        for data, ref in ((got[0], want[0]), (got[2], want[2])):
+            assert data.stride() == (1, tokens)
+            assert torch.equal(data[:rows].float(), ref[:rows].float()), tokens
+        assert torch.equal(got[1], want[1]) and torch.equal(got[3], want[3]), tokens
+
+
 def test_weight_cache_on_cuda_matches_uncached():
     """The fp8 weight cache on the CUDA path: two micro-batches, bit-identical gradients, and
     one quantization of the weight (forward orientation only: x needs no gradient)."""

@@ -68,6 +68,12 @@ FP8_FORMS = {
     "linear(movedim)": lambda w, p: (F.linear(X, w.movedim(0, 2)[..., 0]), p[0].t(), X),
     "linear(clone.detach)": lambda w, p: (F.linear(X, w[0].clone().detach()), p[0].t(), X),
     "linear(w * 2)": lambda w, p: (F.linear(X, w[0] * 2), p[0].t() * 2, X),
+    # DTensor zero-pads uneven shards before collectives
+    "linear(pad)": lambda w, p: (
+        F.linear(X, F.pad(w[0], (0, 0, 0, 2))),
+        F.pad(p[0], (0, 0, 0, 2)).t(),
+        X,
+    ),
     "_grouped_mm 3D x 3D": lambda w, p: (
         torch._grouped_mm(X.unsqueeze(0), w.transpose(-2, -1)),
         p.transpose(-2, -1),

@@ -1,5 +1,6 @@
 """FSDP2 over gloo at world sizes 1-8: converted expert weights whose dim 0 splits unevenly
-train exactly like the same converted module unsharded."""
+train exactly like the same converted module unsharded, and `full_tensor()` gathers them whole
+(ranks holding only padding included)."""
 
 import pytest
 from dist_worker import STEPS
@@ -31,9 +32,10 @@ def test_uneven_fsdp_matches_unsharded(dist_results, world_size, case):
         assert result is not None, f"rank {rank} did not reach {case['name']}"
         assert result.get("error") is None, f"rank {rank}: {result.get('traceback')}"
         assert result["gathered_bitwise"], f"rank {rank}: all-gathered weight != unsharded"
-        for what in ("out", "input_grad", "weight_grad", "param", "gathered"):
+        for what in ("out", "input_grad", "weight_grad", "param", "gathered", "full_tensor"):
             assert result[what] <= TOLERANCE, f"rank {rank}: {what} differs by {result[what]}"
         assert result["wrapped_after_step"], f"rank {rank}: weight lost its fp8 wrapper"
+        assert result["full_tensor_converted"], f"rank {rank}: full_tensor() lost the wrapper"
         if case["cache_fp8"]:
             # One quantization per orientation (forward, input gradient) per optimizer step
             # (per expert slice in the for-loop path), though FSDP re-gathers the weight for

@@ -39,7 +39,16 @@ plan_target: str | None = None
 def _check_cpu_composition(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
     """Compositions that torchtitan 0.2.2 itself cannot run on CPU (bf16 included)."""
     ac = job_config.activation_checkpoint
-    if parallel_dims.ep > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
+    selective_op_ac = ac.mode == "selective" and ac.selective_ac_option == "op"
+    if parallel_dims.tp > 1 and selective_op_ac and job_config.compile.enable:
+        raise ValueError(
+            f"float8_moe: parallelism.tensor_parallel_degree = {parallel_dims.tp} with "
+            'compile.enable and activation_checkpoint.mode = "selective", selective_ac_option '
+            '= "op" fails on CPU with torch 2.13, in bf16 too (AOTAutograd: "expected all '
+            'tensors_saved_with_vc_check to be Tensors"); not tried on GPUs. On CPU set '
+            'activation_checkpoint.mode = "full" or "none", or leave compile off.'
+        )
+    if parallel_dims.ep > 1 and selective_op_ac:
         raise ValueError(
             f"float8_moe: parallelism.expert_parallel_degree = {parallel_dims.ep} with "
             'activation_checkpoint.mode = "selective" and selective_ac_option = "op" fails on '
@@ -48,6 +57,22 @@ def _check_cpu_composition(job_config: JobConfig, parallel_dims: ParallelDims) -
             'activation_checkpoint.mode = "full" or "none", or selective_ac_option to a layer '
             "count."
         )
+
+
+def _disable_compile_caches_for_tensor_parallelism() -> None:
+    """A compiled graph loaded from torch's on-disk caches names tensor-parallel process groups
+    of the run that wrote it, and the next run fails with "Could not resolve the process group
+    registered under the name N" (pytorch/pytorch#176532; seen on CPU with torch 2.13, in bf16
+    too): the second launch of the same command crashes. Compile from scratch instead."""
+    import torch._functorch.config
+
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    logger.warning(
+        "float8_moe: tensor parallelism with compile.enable: torch's on-disk compile caches "
+        "(FX graph, AOTAutograd) are off for this run; a cached graph names the process groups "
+        "of the run that wrote it and fails in the next (pytorch/pytorch#176532)"
+    )
 
 
 class Float8MoEConverter:
@@ -101,6 +126,8 @@ class Float8MoEConverter:
             # Inductor otherwise fuses the bf16 -> fp32 -> fp8 casts of the quantization into
             # one rounding, which changes the fp8 values (pytorch/pytorch#150859).
             torch._inductor.config.emulate_precision_casts = True
+            if parallel_dims.tp > 1:
+                _disable_compile_caches_for_tensor_parallelism()
         self.shard_plan: list[ShardPlanRow] = []
 
     def convert(self, model: nn.Module) -> None:

@@ -7,9 +7,9 @@ safe side:
 - views and aliases (``func.is_view``, or a return that aliases an input: ``squeeze``, ``unbind``,
   ``expand``, ``t``, FSDP's chunks) stay wrapped and share the weight's fp8 cache;
 - copies (``_to_copy``, ``clone``, ``*_copy`` ops) stay wrapped, with a cache of their own;
-- pointwise ops (``w * 2``, an optimizer's ``grad + wd * w``) and collectives (DTensor's
-  ``full_tensor()``) give a new wrapped weight, so what is computed from the weight is still
-  multiplied in fp8 only;
+- pointwise ops (``w * 2``, an optimizer's ``grad + wd * w``), collectives and zero padding
+  (DTensor's ``full_tensor()``) give a new wrapped weight, so what is computed from the weight is
+  still multiplied in fp8 only;
 - ops that write into an argument (in-place, ``out=``, ``copy_``, foreach) run on the plain data;
   a written weight drops its cached fp8 copies;
 - results that cannot be a matmul operand (bool or integer tensors, 0-dim statistics such as
@@ -82,6 +82,9 @@ _UNRELATED_VALUE_OPS = {
 }
 # Not views by schema, but alias their input's storage.
 _ALIASING_OPS = {aten._unsafe_view}
+# The weight's values with zeros around them: DTensor pads an uneven shard (an empty one on a
+# rank that holds only FSDP padding) before its collectives, as in full_tensor().
+_PADDING_OPS = {aten.constant_pad_nd}
 _COPY_OPS = {aten._to_copy, aten.clone, aten._pin_memory}
 
 
@@ -110,6 +113,7 @@ def _dispatch_kind(func) -> _Kind:
         torch.Tag.pointwise in tags
         or packet.__name__.startswith("_foreach_")
         or func.namespace == "_c10d_functional"  # DTensor's full_tensor, redistribute
+        or packet in _PADDING_OPS
     ):
         return _Kind.DERIVED
     return _Kind.OTHER

@@ -2,20 +2,21 @@
 
 Same outputs as ``torch_quantize.py`` (fp8 data, fp32 power-of-2 multipliers), laid out the way
 the fp8 GEMMs want them: activations row-major, weights column-major per expert. Scales along a
-contiguous dim use our one-pass kernel (``triton_rowwise.py``, faster than torchao's); the
-transposing and per-group casts use torchao's kernels.
+contiguous dim use our one-pass kernel (``triton_rowwise.py``, faster than torchao's), the
+per-group casts of the weight gradient our kernel without token-count autotuning
+(``triton_per_group.py``); the transposing weight cast uses torchao's kernel.
 """
 
 import torch
 from torchao.prototype.moe_training.kernels import (
     triton_fp8_colwise_3d_scale_and_cast,
-    triton_fp8_per_group_colwise_scales_dual,
     triton_fp8_rowwise_2d_scale_and_cast,
     triton_fp8_rowwise_3d_transpose_rhs,
 )
 
 from .gemm import column_major
 from .quantize import FP8_DTYPE
+from .triton_per_group import per_group_colwise_fp8_pair
 from .triton_rowwise import MAX_ROW, rowwise_fp8
 
 
@@ -51,8 +52,4 @@ def weight_transposed(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
     """Per-group scales over tokens for the weight-gradient GEMM: ``(a_fp8, a_scales [G, K],
     grad_fp8, grad_scales [G, N])``, data column-major."""
-    grad_fp8, grad_scales, a_fp8, a_scales = triton_fp8_per_group_colwise_scales_dual(
-        grad.contiguous(), a.contiguous(), offs, FP8_DTYPE, round_scales_to_power_of_2=True
-    )
-    groups = offs.numel()
-    return a_fp8, a_scales.view(groups, -1), grad_fp8, grad_scales.view(groups, -1)
+    return per_group_colwise_fp8_pair(a, grad, offs)
