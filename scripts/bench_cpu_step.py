@@ -83,22 +83,6 @@ def bf16_config(folder: Path) -> Path:
     return path
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (torchrun's workers run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    return tree
-
-
 def train(config: Path, overrides: list[str], args, log_path: Path) -> tuple[int, str]:
     """Run the trainer; (return code, log). A run past --timeout is killed with its workers."""
     env = dict(os.environ, NGPU=str(args.ngpu), CONFIG_FILE=str(config), LOG_RANK="0")
@@ -113,11 +97,8 @@ def train(config: Path, overrides: list[str], args, log_path: Path) -> tuple[int
         try:
             returncode = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            for pid in reversed(descendants(proc.pid)):
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
+            # run_train.sh execs torchrun, whose agent stops its workers when it gets SIGTERM.
+            proc.terminate()
             returncode = proc.wait()
     return returncode, ANSI_COLOR.sub("", log_path.read_text())
 

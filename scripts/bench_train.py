@@ -1,7 +1,7 @@
 """End-to-end: torchtitan's trainer, bf16 vs float8_moe, with and without torch.compile.
 
     python scripts/bench_train.py [--ngpu 1] [--config train_configs/llama4_scout_2layers.toml]
-        [--variants bf16,float8_moe,bf16+compile,float8_moe+compile] [--repeat 3]
+        [--variants bf16,float8_moe,bf16+compile,float8_moe+compile,float8_moe+cache] [--repeat 3]
         [--out docs/...json] [-- extra torchtitan overrides]
 
 Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
@@ -43,7 +43,8 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
     overrides = [
         f"--training.steps={args.steps}",
         f"--job.dump_folder=outputs/bench_train/{variant}",
-        *(["--compile.enable"] if variant.endswith("+compile") else []),
+        *(["--compile.enable"] if "+compile" in variant else []),
+        *(["--float8_moe.cache_fp8_weights"] if "+cache" in variant else []),
         *extra,
     ]
     env = dict(os.environ, NGPU=str(args.ngpu), CONFIG_FILE=str(config))
@@ -102,7 +103,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(runs, indent=1) + "\n")
     rows = [_summary([r for r in runs if r["variant"] == v]) for v in variants]
     baselines = {
-        r["variant"].removeprefix("bf16"): r.get("tokens_per_s_median")
+        ("+compile" if "+compile" in r["variant"] else ""): r.get("tokens_per_s_median")
         for r in rows
         if r["variant"].startswith("bf16")
     }
@@ -111,7 +112,8 @@ def main() -> None:
         f"{'final loss':>10}"
     )
     for r in rows:
-        base = baselines.get(r["variant"].removeprefix("float8_moe").removeprefix("bf16"))
+        # fp8 against bf16 of the same compile setting (+cache is fp8-only).
+        base = baselines.get("+compile" if "+compile" in r["variant"] else "")
         tps = r.get("tokens_per_s_median")
         if tps is not None and base:
             r["speedup_vs_bf16"] = round(tps / base, 3)

@@ -14,9 +14,11 @@ import sys
 import torch
 
 # (tokens M, columns C, group ends): empty groups, rows past the last group, one group, a group
-# shorter than a tile, columns not a multiple of the tile, M below one tile.
+# shorter than a tile, columns not a multiple of the tile, M below one tile, a group over more
+# than two tiles (of 256 rows).
 CASES = [
     (300, 70, [0, 5, 133, 133, 290]),
+    (600, 70, [1, 560, 600]),
     (256, 64, [256]),
     (40, 130, [3, 3, 3, 40]),
     (129, 1, [1, 128, 129]),

@@ -17,9 +17,12 @@ import triton
 import triton.language as tl
 
 from .quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from .triton_rules import pow2_scale, saturate
 
-# Tile: BLOCK_ROWS tokens x BLOCK_COLS columns; one program per (column block, group).
-BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 128, 64, 4
+# Tile: BLOCK_ROWS tokens x BLOCK_COLS columns; one program per (column block, group). Chosen by
+# `scripts/bench_quantize.py --sweep` on an H200 (docs/benchmarks/h200x2_2026-11-30b.md): the
+# fastest of 7 tiles for even and skewed routing, where one group's programs stream most tokens.
+BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 256, 64, 8
 
 
 @triton.jit
@@ -48,21 +51,14 @@ def _per_group_colwise_kernel(
         mask = (rows < end)[:, None] & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
-    multiplier = FP8_LIMIT / tl.maximum(amax, AMAX_FLOOR)
-    # Keep only the exponent bits: the largest power of two <= multiplier.
-    scale = (multiplier.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    scale = pow2_scale(amax, FP8_LIMIT, AMAX_FLOOR)
     tl.store(scale_ptr + group * n_cols + cols, scale, mask=col_mask)
     # Pass 2: scale, saturate, cast; written column-major (element (r, c) at c * n_rows + r).
     for first in range(start, end, BLOCK_ROWS):
         rows = first + tl.arange(0, BLOCK_ROWS)
         mask = (rows < end)[:, None] & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-        y = tl.clamp(
-            x.to(tl.float32) * scale[None, :],
-            -FP8_LIMIT,
-            FP8_LIMIT,
-            propagate_nan=tl.PropagateNan.ALL,
-        )
+        y = saturate(x.to(tl.float32) * scale[None, :], FP8_LIMIT)
         tl.store(
             out_ptr + cols[None, :] * n_rows + rows[:, None],
             y.to(out_ptr.dtype.element_ty),

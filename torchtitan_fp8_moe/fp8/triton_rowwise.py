@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from .triton_rules import pow2_scale, saturate
 
 # Rows up to this many elements fit one program's registers; longer rows are not supported here.
 MAX_ROW = 16384
@@ -33,10 +34,8 @@ def _rowwise_fp8_kernel(
     mask = cols < n_cols
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    multiplier = FP8_LIMIT / tl.maximum(amax, AMAX_FLOOR)
-    # Keep only the exponent bits: the largest power of two <= multiplier (0 stays 0).
-    scale = (multiplier.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    y = tl.clamp(x * scale, -FP8_LIMIT, FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    scale = pow2_scale(amax, FP8_LIMIT, AMAX_FLOOR)
+    y = saturate(x * scale, FP8_LIMIT)
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
