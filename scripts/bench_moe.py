@@ -1,22 +1,25 @@
 """Benchmark bf16, torchao 0.18's fp8 rowwise and float8_moe on Llama4 Scout MoE shapes.
 
     python scripts/bench_moe.py [--quick] [--cases C,..] [--tokens M,..] [--profile] [--tp N]
-        [--out docs/benchmarks/h200.json]
+        [--repeat N] [--out docs/benchmarks/h200.json]
 
 Forward + backward (input and weight gradients) of: one routed-expert projection (w1: D -> H,
 w2: H -> D; 16 experts, even token groups), the grouped shared expert (3D x 3D, [1, H, D]), the
 FeedForward shared expert's first linear, and a whole torchtitan Llama4 MoE layer (router, 16
 routed experts top-1, one shared expert). Times are triton do_bench medians in one process on
-one GPU. SQNR is of the output (and gradients) against the bf16 run. Writes the JSON rows and a
-PNG chart next to it. With --profile each row also gets the GPU time per step of its largest
-kernels (torch profiler), the breakdown behind a speedup. With --tp N the projections have the
-shapes one rank multiplies under tensor (and expert-tensor) parallelism of degree N: the hidden
-dim split N ways, every token on every rank. Needs CUDA with fp8 (sm89+).
+one GPU; with --repeat N each implementation is timed N times, interleaved with the others, and
+its row has the median and every timing. SQNR is of the output (and gradients) against the bf16
+run. Writes the JSON rows and a PNG chart next to it. With --profile each row also gets the GPU
+time per step of its largest kernels (torch profiler), the breakdown behind a speedup. With --tp
+N the projections have the shapes one rank multiplies under tensor (and expert-tensor)
+parallelism of degree N: the hidden dim split N ways, every token on every rank. Needs CUDA with
+fp8 (sm89+).
 """
 
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -27,6 +30,7 @@ from triton.testing import do_bench
 from torchtitan_fp8_moe.fp8.sqnr import sqnr as fp8_sqnr
 
 DIM, HIDDEN, EXPERTS = 5120, 8192, 16
+IMPLS = ("bf16", "torchao", "float8_moe")
 
 
 def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
@@ -54,12 +58,12 @@ def _to_float8_moe(module: nn.Module) -> nn.Module:
 class Projection(nn.Module):
     """One expert projection, shaped as the case uses it."""
 
-    def __init__(self, case: str, tokens: int):
+    def __init__(self, case: str, tokens: int, hidden: int):
         super().__init__()
-        in_dim, out_dim = (HIDDEN, DIM) if case == "routed_w2" else (DIM, HIDDEN)
+        in_dim, out_dim = (hidden, DIM) if case == "routed_w2" else (DIM, hidden)
         groups = EXPERTS if case.startswith("routed") else 1
         shape = (out_dim, in_dim) if case == "shared_linear" else (groups, out_dim, in_dim)
-        self.weight = nn.Parameter(torch.randn(shape, dtype=torch.bfloat16) * 0.02)
+        self.weight = nn.Parameter(torch.randn(shape, dtype=torch.bfloat16, device="cuda") * 0.02)
         self.case, self.in_dim = case, in_dim
         self.offs = torch.arange(1, groups + 1, dtype=torch.int32, device="cuda") * (
             tokens // groups
@@ -73,27 +77,28 @@ class Projection(nn.Module):
         return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=self.offs)
 
 
-def build_case(case: str, tokens: int):
-    """(module, input, flops of fwd+bwd)."""
+def build_case(case: str, tokens: int, hidden: int):
+    """(module, input, flops of fwd+bwd); ``hidden``: the experts' hidden dim (one rank's share
+    under tensor parallelism)."""
     torch.manual_seed(0)
     if case == "moe_layer":
         from torchtitan.models.moe import MoEArgs
         from torchtitan.models.moe.moe import MoE
 
-        module = MoE(MoEArgs(num_experts=EXPERTS, num_shared_experts=1, top_k=1), DIM, HIDDEN)
+        module = MoE(MoEArgs(num_experts=EXPERTS, num_shared_experts=1, top_k=1), DIM, hidden)
         module = module.to(device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             module.init_weights(0.02, torch.device("cuda"))
         x = torch.randn(tokens // 4096, 4096, DIM, device="cuda", dtype=torch.bfloat16)
-        flops = 3 * 2 * tokens * DIM * HIDDEN * 3 * 2  # routed + shared, 3 projections each
+        flops = 3 * 2 * tokens * DIM * hidden * 3 * 2  # routed + shared, 3 projections each
         return module, x, flops
-    module = Projection(case, tokens).cuda()
+    module = Projection(case, tokens, hidden).cuda()
     x = torch.randn(tokens, module.in_dim, device="cuda", dtype=torch.bfloat16)
-    return module, x, 3 * 2 * tokens * DIM * HIDDEN
+    return module, x, 3 * 2 * tokens * DIM * hidden
 
 
-def run_impl(case, tokens, impl, profile=False):
-    module, x, flops = build_case(case, tokens)
+def run_impl(case, tokens, impl, hidden, profile=False):
+    module, x, flops = build_case(case, tokens, hidden)
     if impl == "torchao":
         module = _to_torchao(module)
     elif impl == "float8_moe":
@@ -153,12 +158,19 @@ def main() -> None:
     parser.add_argument(
         "--tp", type=int, default=1, help="per-rank shapes of tensor parallelism of this degree"
     )
+    parser.add_argument(
+        "--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS)
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="timings per implementation, interleaved; median"
+    )
     args = parser.parse_args()
-    global HIDDEN
-    if args.tp > 1:
-        if args.cases is None or "moe_layer" in args.cases.split(","):
-            raise SystemExit("--tp: name the projection cases with --cases (not moe_layer)")
-        HIDDEN //= args.tp
+    if args.tp > 1 and (args.cases is None or "moe_layer" in args.cases.split(",")):
+        raise SystemExit("--tp: name the projection cases with --cases (not moe_layer)")
+    hidden = HIDDEN // args.tp
+    impls = args.impls.split(",")
+    if "bf16" not in impls:
+        raise SystemExit("--impls: bf16 is the baseline of every row")
     from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
     set_token_group_alignment_size_m(16)  # fp8 grouped GEMMs need 16-row token groups
@@ -173,14 +185,18 @@ def main() -> None:
     rows = []
     for tokens in token_counts:
         for case in cases:
-            results = {}
-            for impl in ("bf16", "torchao", "float8_moe"):
-                try:
-                    results[impl] = run_impl(case, tokens, impl, args.profile)
-                except Exception as e:  # noqa: BLE001 - reported in the table
-                    results[impl] = f"{type(e).__name__}: {str(e)[:160]}"
-                torch.cuda.empty_cache()
-            bf16_ms, _, ref, _ = results["bf16"]
+            results = {impl: [] for impl in impls}
+            for run in range(args.repeat):  # bf16, torchao, ours, bf16, ...: drift hits all
+                for impl in impls:
+                    try:
+                        results[impl].append(
+                            run_impl(case, tokens, impl, hidden, args.profile and run == 0)
+                        )
+                    except Exception as e:  # noqa: BLE001 - reported in the table
+                        results[impl].append(f"{type(e).__name__}: {str(e)[:160]}")
+                    torch.cuda.empty_cache()
+            results = {impl: _median_run(runs) for impl, runs in results.items()}
+            bf16_ms, _, ref, _, _ = results["bf16"]
             for impl, result in results.items():
                 row = {"case": case, "tokens": tokens, "impl": impl}
                 if args.tp > 1:
@@ -188,9 +204,10 @@ def main() -> None:
                 if isinstance(result, str):
                     row.update(ms=None, error=result)
                 else:
-                    ms, flops, outputs, kernels = result
+                    ms, flops, outputs, kernels, all_ms = result
                     row.update(
                         ms=round(ms, 3),
+                        ms_runs=[round(t, 3) for t in all_ms],
                         tflops=round(flops / ms / 1e9, 1),
                         speedup_vs_bf16=round(bf16_ms / ms, 3),
                         sqnr_db=sqnr(ref[0], outputs[0]) if impl != "bf16" else math.inf,
@@ -202,8 +219,9 @@ def main() -> None:
                     if kernels is not None:
                         row["kernels_ms_per_step"] = kernels
                 rows.append(row)
-            torchao_ms = next((r["ms"] for r in rows[-3:] if r["impl"] == "torchao"), None)
-            for row in rows[-3:]:
+            case_rows = rows[-len(impls) :]
+            torchao_ms = next((r["ms"] for r in case_rows if r["impl"] == "torchao"), None)
+            for row in case_rows:
                 row["speedup_vs_torchao"] = (
                     round(torchao_ms / row["ms"], 3) if torchao_ms and row["ms"] else None
                 )
@@ -211,6 +229,17 @@ def main() -> None:
             write_json(rows, args.out)  # after every case, so a cut-off run keeps its rows
     print_table(rows)
     plot(rows, Path(args.out).with_suffix(".png"))
+
+
+def _median_run(runs: list):
+    """One implementation's repeats as (median ms, flops, first outputs, first kernels, every
+    ms), or the first error."""
+    errors = [r for r in runs if isinstance(r, str)]
+    if errors:
+        return errors[0]
+    all_ms = [r[0] for r in runs]
+    _, flops, outputs, kernels = runs[0]
+    return statistics.median(all_ms), flops, outputs, kernels, all_ms
 
 
 def write_json(rows, path: str) -> None:

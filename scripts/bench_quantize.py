@@ -7,7 +7,9 @@ For each token count M (16 experts, uneven token groups aligned to 16, Scout's 5
 - the weight-gradient operands' per-group column-wise cast (``a [M, K]`` and ``grad [M, N]``,
   one scale per group and column): ours (``per_group_colwise_fp8_pair``) against torchao's
   ``triton_fp8_per_group_colwise_scales`` on each operand;
-- the two weight orientations of a ``[16, N, K]`` expert weight.
+- the two weight orientations of a ``[16, N, K]`` expert weight: ours (the forward cast also takes
+  the amax over N, so the transposed cast reads the weight once) against torchao's
+  ``triton_fp8_colwise_3d_scale_and_cast`` and ``triton_fp8_rowwise_3d_transpose_rhs``.
 Steady-state times are triton ``do_bench`` medians (ms). ``first call`` is the wall time of the
 first call at each of ``--new-counts`` token counts never seen before (what expert parallelism
 meets every step, since the tokens a rank receives vary): compilation and autotuning included.
@@ -22,13 +24,18 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import triton
-from torchao.prototype.moe_training.kernels import triton_fp8_per_group_colwise_scales
+from torchao.prototype.moe_training.kernels import (
+    triton_fp8_colwise_3d_scale_and_cast,
+    triton_fp8_per_group_colwise_scales,
+    triton_fp8_rowwise_3d_transpose_rhs,
+)
 from triton.testing import do_bench
 
 from torchtitan_fp8_moe.fp8 import triton_per_group as per_group
 from torchtitan_fp8_moe.fp8 import triton_quantize
-from torchtitan_fp8_moe.fp8.quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from torchtitan_fp8_moe.fp8 import triton_rowwise as rowwise
+from torchtitan_fp8_moe.fp8.gemm import column_major
+from torchtitan_fp8_moe.fp8.quantize import FP8_DTYPE
 from torchtitan_fp8_moe.fp8.triton_per_group import per_group_colwise_fp8_pair
 
 EXPERTS, DIM, HIDDEN = 16, 5120, 8192
@@ -42,6 +49,10 @@ TILES = [
     (32, 128, 4),
     (64, 128, 8),
 ]
+
+
+# Other (TILE_ROWS, ROW_TILES) of the forward weight cast timed by --sweep.
+WEIGHT_SWEEP = [(1, 64), (1, 32), (2, 16), (4, 8), (4, 16), (8, 8)]
 
 
 def group_ends(tokens: int, seed: int, skew: float = 0.0) -> torch.Tensor:
@@ -87,35 +98,12 @@ def sweep_tiles(tokens: int) -> list[dict]:
     a = torch.randn(tokens, DIM, device="cuda", dtype=torch.bfloat16)
     for skew in (0.0, 1.0, 2.0):
         offs = group_ends(tokens, seed=1, skew=skew)
-        for block_rows, block_cols, warps in TILES:
-            out, scales = per_group.cast_per_group_colwise(a, offs)  # buffers of the right layout
-
-            def launch(
-                block_rows=block_rows,
-                block_cols=block_cols,
-                warps=warps,
-                offs=offs,
-                out=out,
-                scales=scales,
-            ):
-                grid = (triton.cdiv(DIM, block_cols), EXPERTS)
-                per_group._per_group_colwise_kernel[grid](
-                    a,
-                    out,
-                    scales,
-                    offs,
-                    tokens,
-                    DIM,
-                    FP8_LIMIT=FP8_MAX,
-                    AMAX_FLOOR=AMAX_FLOOR,
-                    BLOCK_ROWS=block_rows,
-                    BLOCK_COLS=block_cols,
-                    num_warps=warps,
-                )
-
+        for tile in TILES:
+            per_group.BLOCK_ROWS, per_group.BLOCK_COLS, per_group.NUM_WARPS = tile
+            launch = partial(per_group.cast_per_group_colwise, a, offs)
             rows.append(
                 {
-                    "kernel": f"per_group tile {block_rows}x{block_cols} w{warps}",
+                    "kernel": "per_group tile {}x{} w{}".format(*tile),
                     "case": f"skew {skew}",
                     "tokens": tokens,
                     "largest_group": int(torch.diff(offs, prepend=offs.new_zeros(1)).max()),
@@ -123,17 +111,87 @@ def sweep_tiles(tokens: int) -> list[dict]:
                     "ms": round(do_bench(launch, warmup=25, rep=100), 4),
                 }
             )
+    per_group.BLOCK_ROWS, per_group.BLOCK_COLS, per_group.NUM_WARPS = TILES[0]
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", default="16384,65536")
-    parser.add_argument("--new-counts", type=int, default=3)
-    parser.add_argument("--sweep", action="store_true", help="also time other per-group tiles")
-    parser.add_argument("--sweep-tokens", type=int, default=32768)
-    parser.add_argument("--out", default="docs/benchmarks/h200_quantize.json")
-    args = parser.parse_args()
+def _torchao_weight_casts(b):
+    """torchao's kernels for the two orientations (what we used before our own)."""
+    options = {"output_dtype": FP8_DTYPE, "round_scales_to_power_of_2": True}
+    return (
+        triton_fp8_colwise_3d_scale_and_cast(column_major(b), **options),
+        triton_fp8_rowwise_3d_transpose_rhs(column_major(b), **options),
+    )
+
+
+def weight_casts(sweep: bool) -> list[dict]:
+    """Both orientations of a Scout routed weight: ours (the forward cast also takes the amax
+    over N; the transposed cast reads the weight once) against torchao's kernels."""
+    rows = []
+    shipped = (rowwise.TILE_ROWS, rowwise.ROW_TILES)
+    for case, (in_dim, out_dim) in (("routed_w1", (DIM, HIDDEN)), ("routed_w2", (HIDDEN, DIM))):
+        # Stored as the expert modules hold it: [E, out, in], used as [E, in, out].
+        stored = torch.randn(EXPERTS, out_dim, in_dim, device="cuda", dtype=torch.bfloat16)
+        b = stored.transpose(-2, -1)
+        _, _, amax = triton_quantize.weight(b)
+        (ao_fwd, _), (ao_t, _) = _torchao_weight_casts(b)
+        ours_fwd, ours_t = (
+            triton_quantize.weight(b)[0],
+            triton_quantize.weight_transposed(b, amax)[0],
+        )
+        same = torch.equal(ours_fwd.float(), ao_fwd.float()) and torch.equal(
+            ours_t.float(), ao_t.float()
+        )
+        timings = {
+            ("forward (scales over K) + amax over N", "float8_moe"): partial(
+                triton_quantize.weight, b
+            ),
+            ("transposed (scales over N)", "float8_moe"): partial(
+                triton_quantize.weight_transposed, b, amax
+            ),
+            ("forward, rows only (no amax)", "float8_moe"): partial(
+                rowwise.rowwise_fp8, column_major(b).transpose(-2, -1)
+            ),
+            ("forward (scales over K)", "torchao"): partial(
+                triton_fp8_colwise_3d_scale_and_cast,
+                column_major(b),
+                output_dtype=FP8_DTYPE,
+                round_scales_to_power_of_2=True,
+            ),
+            ("transposed (scales over N)", "torchao"): partial(
+                triton_fp8_rowwise_3d_transpose_rhs,
+                column_major(b),
+                output_dtype=FP8_DTYPE,
+                round_scales_to_power_of_2=True,
+            ),
+        }
+        for (kernel, impl), fn in timings.items():
+            rows.append(
+                {
+                    "kernel": f"weight {kernel}",
+                    "case": case,
+                    "impl": impl,
+                    "ms": round(do_bench(fn, warmup=25, rep=200), 4),
+                    "fp8_data_equal_to_torchao": same,
+                }
+            )
+        for config in WEIGHT_SWEEP if sweep else []:
+            rowwise.TILE_ROWS, rowwise.ROW_TILES = config
+            rows.append(
+                {
+                    "kernel": f"weight forward + amax, rows x tiles {config}",
+                    "case": case,
+                    "impl": "float8_moe",
+                    "ms": round(do_bench(partial(triton_quantize.weight, b), rep=100), 4),
+                }
+            )
+        rowwise.TILE_ROWS, rowwise.ROW_TILES = shipped
+    return rows
+
+
+def per_group_casts(args) -> list[dict]:
+    """The weight-gradient operands' per-group casts: first calls at new token counts, then
+    steady state, ours against torchao's (and other tiles of ours with --sweep)."""
     rows = []
     # First calls before any steady-state timing, so each impl's compile/tune is in its numbers.
     for impl, fn in (("float8_moe", ours), ("torchao", torchao)):
@@ -171,16 +229,24 @@ def main() -> None:
                 )
     if args.sweep:
         rows += sweep_tiles(args.sweep_tokens)
-    for case, (in_dim, out_dim) in (("routed_w1", (DIM, HIDDEN)), ("routed_w2", (HIDDEN, DIM))):
-        # Stored as the expert modules hold it: [E, out, in], used as [E, in, out].
-        stored = torch.randn(EXPERTS, out_dim, in_dim, device="cuda", dtype=torch.bfloat16)
-        b = stored.transpose(-2, -1)
-        for kernel, fn in (
-            ("weight (scales over K)", triton_quantize.weight),
-            ("weight_transposed (scales over N)", triton_quantize.weight_transposed),
-        ):
-            ms = do_bench(partial(fn, b), warmup=25, rep=200)
-            rows.append({"kernel": kernel, "case": case, "impl": "float8_moe", "ms": round(ms, 4)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="16384,65536")
+    parser.add_argument("--new-counts", type=int, default=3)
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time other tiles of our per-group and weight casts",
+    )
+    parser.add_argument("--sweep-tokens", type=int, default=32768)
+    parser.add_argument("--weights-only", action="store_true", help="only the weight casts")
+    parser.add_argument("--out", default="docs/benchmarks/h200_quantize.json")
+    args = parser.parse_args()
+    rows = [] if args.weights_only else per_group_casts(args)
+    rows += weight_casts(args.sweep)
     print(f"{'kernel':<36}{'case':<11}{'M':>7} {'impl':<11}{'ms / first-call s':>20}")
     for r in rows:
         value = r.get("ms", r.get("seconds"))

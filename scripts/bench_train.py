@@ -1,8 +1,11 @@
 """End-to-end: torchtitan's trainer, bf16 vs float8_moe, with and without torch.compile.
 
     python scripts/bench_train.py [--ngpu 1] [--config train_configs/llama4_scout_2layers.toml]
-        [--variants bf16,float8_moe,bf16+compile,float8_moe+compile,float8_moe+cache] [--repeat 3]
+        [--variants bf16,float8_moe,bf16+compile,float8_moe+compile] [--repeat 3]
         [--out docs/...json] [-- extra torchtitan overrides]
+
+Variant suffixes: ``+compile`` (torch.compile), ``+cache`` (``--float8_moe.cache_fp8_weights``),
+``+dense`` (torchtitan's fp8 rowwise ``quantize.linear.float8`` on the dense linears as well).
 
 Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
 per-step log lines, and reports the median tokens/s per device and the peak reserved memory over
@@ -26,6 +29,15 @@ ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"step: +(\d+) +loss: +(\S+).*?memory: +([\d.]+)GiB.*?tps: +([\d,]+)")
 
 
+# "+dense": torchtitan's own fp8 rowwise converter on the dense linears (attention projections)
+# beside ours on the experts; the router, the output layer and the shared expert stay out of it.
+DENSE_FP8 = [
+    "--model.converters=quantize.linear.float8,float8_moe",
+    "--quantize.linear.float8.recipe_name=rowwise",
+    "--quantize.linear.float8.filter_fqns=output,router.gate,shared_expert",
+]
+
+
 def _without_converters(config: str, folder: Path) -> Path:
     """The config with its model converters removed (torchtitan's CLI cannot empty a list)."""
     text = (REPO / config).read_text()
@@ -45,6 +57,7 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         f"--job.dump_folder=outputs/bench_train/{variant}",
         *(["--compile.enable"] if "+compile" in variant else []),
         *(["--float8_moe.cache_fp8_weights"] if "+cache" in variant else []),
+        *(DENSE_FP8 if "+dense" in variant else []),
         *extra,
     ]
     env = dict(os.environ, NGPU=str(args.ngpu), CONFIG_FILE=str(config))

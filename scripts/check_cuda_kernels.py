@@ -101,12 +101,13 @@ def _patch() -> None:
     def checked(name):
         cuda_fn, torch_fn = getattr(triton_quantize, name), getattr(torch_quantize, name)
 
-        def quantize(*args):
-            got, want = cuda_fn(*args), torch_fn(*args)
+        def quantize(*args, **kwargs):
+            got, want = cuda_fn(*args, **kwargs), torch_fn(*args, **kwargs)
             if name == "per_group_pair":
                 pairs = zip(pair_values(got, args[-1]), pair_values(want, args[-1]), strict=True)
             else:
-                pairs = [(dequantize(*got), dequantize(*want))]
+                # data and scales (the weight's forward cast also returns an amax)
+                pairs = [(dequantize(*got[:2]), dequantize(*want[:2]))]
             for got_hp, want_hp in pairs:
                 _record(f"quantize.{name}", tuple(args[0].shape), got_hp, want_hp, [])
             return got

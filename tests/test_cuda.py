@@ -95,17 +95,35 @@ def test_rowwise_kernel_keeps_non_finite_values_in_their_rows():
     assert data[2, 5].float().isnan() and data[5, 7].float().isnan()
 
 
-def test_weight_quantizers_match_the_torch_rules():
-    """Both weight orientations on CUDA (ours and torchao's kernels) equal the torch rules."""
+@pytest.mark.parametrize("stored_shape", [(E, H, D), (3, 1000, 77), (1, 8192, 5120)])
+def test_weight_quantizers_match_the_torch_rules(stored_shape):
+    """Both weight orientations on CUDA (our kernels: the forward cast with the amax over N, and
+    the transposed cast from it) give the torch rules' bytes and scales, for weights whose rows
+    are not a multiple of a program's, and the seed's [1, 8192, 5120] shared expert; NaN stays
+    in its own rows."""
     from torchtitan_fp8_moe.fp8 import torch_quantize, triton_quantize
 
     torch.manual_seed(0)
-    b = (torch.randn(E, H, D, device="cuda", dtype=torch.bfloat16) * 0.02).transpose(-2, -1)
-    for name in ("weight", "weight_transposed"):
-        data, scales = getattr(triton_quantize, name)(b)
-        ref_data, ref_scales = getattr(torch_quantize, name)(b)
-        assert torch.equal(scales.reshape(ref_scales.shape), ref_scales), name
-        assert torch.equal(data.float(), ref_data.float()), name
+    stored = torch.randn(stored_shape, device="cuda") * torch.logspace(
+        -4, 4, stored_shape[-1], device="cuda"
+    )
+    b = stored.bfloat16().transpose(-2, -1)
+    data, scales, amax = triton_quantize.weight(b)
+    ref_data, ref_scales, ref_amax = torch_quantize.weight(b)
+    assert torch.equal(amax, ref_amax)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+    data_t, scales_t = triton_quantize.weight_transposed(b, amax)
+    ref_data_t, ref_scales_t = torch_quantize.weight_transposed(b, ref_amax)
+    assert torch.equal(scales_t, ref_scales_t)
+    assert torch.equal(data_t.view(torch.uint8), ref_data_t.view(torch.uint8))
+    assert data_t.stride() == (b.shape[1] * b.shape[2], 1, b.shape[2])
+    b_nan = b.clone()
+    b_nan[0, 3, 5] = float("nan")
+    data, _, amax = triton_quantize.weight(b_nan)
+    data_t, _ = triton_quantize.weight_transposed(b_nan, amax)
+    assert data.float().isnan().nonzero().tolist() == [[0, 3, 5]]
+    assert data_t.float().isnan().nonzero().tolist() == [[0, 5, 3]]
 
 
 def test_per_group_kernel_matches_the_torch_rules_for_every_token_count():

@@ -51,9 +51,65 @@ def _check_per_group_colwise() -> None:
     assert values.isnan().nonzero().tolist() == [[5, 3]]
 
 
-def test_per_group_colwise_kernel_in_triton_interpreter():
+# Expert weights [G, K, N]: rows (N) not a multiple of a program's rows (64), K not a power of
+# 2, one group, a single row, N below one transposed tile.
+WEIGHT_SHAPES = [(3, 40, 150), (1, 96, 64), (2, 5, 1), (4, 70, 33)]
+
+
+def _weight(groups, k, n):
+    """Stored as the expert modules hold it ([G, N, K]) and used as [G, K, N]; magnitudes over 12
+    decades along both K and N, an all-zero column and row."""
+    stored = (
+        torch.randn(groups, n, k) * torch.logspace(-6, 6, k) * torch.logspace(3, -3, n)[:, None]
+    )
+    stored[:, 0] = 0
+    stored[:, :, -1] = 0
+    return stored.bfloat16(), stored.bfloat16().transpose(-2, -1)
+
+
+def _check_weight_casts() -> None:
+    from torchtitan_fp8_moe.fp8 import torch_quantize
+    from torchtitan_fp8_moe.fp8.quantize import FP8_MAX, scales_from_amax
+    from torchtitan_fp8_moe.fp8.triton_rowwise import cast_rows
+    from torchtitan_fp8_moe.fp8.triton_transposed import cast_transposed
+
+    torch.manual_seed(0)
+    for shape in WEIGHT_SHAPES:
+        stored, b = _weight(*shape)
+        # Forward orientation (scales over K) and the amax over N, in one pass.
+        values, scales, amax_over_n = cast_rows(stored, column_amax=True, out_dtype=torch.float32)
+        _, want_scales, want_amax = torch_quantize.weight(b)
+        assert torch.equal(scales.transpose(-2, -1), want_scales), shape
+        assert torch.equal(amax_over_n, want_amax), shape
+        want = (b.float() * want_scales).clamp(-FP8_MAX, FP8_MAX)
+        assert torch.equal(values.transpose(-2, -1), want), shape
+        # Input-gradient orientation (scales over N) from that amax, b read through its strides.
+        for operand in (b, b.contiguous()):
+            values_t, scales_t = cast_transposed(operand, amax_over_n, torch.float32)
+            want_t_scales = scales_from_amax(want_amax).unsqueeze(-2)
+            assert torch.equal(scales_t.unsqueeze(-2), want_t_scales), shape
+            want_t = (b.transpose(-2, -1).float() * want_t_scales).clamp(-FP8_MAX, FP8_MAX)
+            assert torch.equal(values_t, want_t), shape
+            assert values_t.stride() == (shape[1] * shape[2], 1, shape[2]), "column-major"
+    # Activations: rows of [M, C], no column amax.
+    x = torch.randn(5, 33).bfloat16() * torch.logspace(-4, 4, 5)[:, None].bfloat16()
+    values, scales, none = cast_rows(x[None], column_amax=False, out_dtype=torch.float32)
+    want_values, want_scales = torch_quantize.rows(x)
+    assert none is None and torch.equal(scales[0], want_scales)
+    assert torch.equal(values[0], (x.float() * want_scales).clamp(-FP8_MAX, FP8_MAX))
+    # A NaN stays NaN, only where it was, in both orientations; its column's amax is NaN.
+    stored = torch.ones(2, 70, 8, dtype=torch.bfloat16)
+    stored[1, 5, 3] = math.nan
+    values, _, amax_over_n = cast_rows(stored, column_amax=True, out_dtype=torch.float32)
+    assert values.isnan().nonzero().tolist() == [[1, 5, 3]]
+    assert amax_over_n.isnan().nonzero().tolist() == [[1, 3]]
+    values_t, _ = cast_transposed(stored.transpose(-2, -1), amax_over_n, torch.float32)
+    assert values_t.isnan().nonzero().tolist() == [[1, 5, 3]]
+
+
+def _run_interpreted(check: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import test_triton_kernels_interpreted as t; t._check_per_group_colwise()"
+    code = f"import test_triton_kernels_interpreted as t; t.{check}()"
     result = subprocess.run(
         [sys.executable, "-c", code],
         cwd=os.path.dirname(__file__),
@@ -63,3 +119,12 @@ def test_per_group_colwise_kernel_in_triton_interpreter():
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_per_group_colwise_kernel_in_triton_interpreter():
+    _run_interpreted("_check_per_group_colwise")
+
+
+def test_weight_cast_kernels_in_triton_interpreter():
+    """The forward weight cast with the amax over N, and the single-read transposed cast."""
+    _run_interpreted("_check_weight_casts")

@@ -24,9 +24,9 @@ def weight_quantizations(monkeypatch):
     for orientation, name in (("forward", "weight"), ("input_grad", "weight_transposed")):
         real = getattr(torch_quantize, name)
 
-        def counted(b, _real=real, _orientation=orientation):
+        def counted(b, *args, _real=real, _orientation=orientation, **kwargs):
             counts[_orientation] += 1
-            return _real(b)
+            return _real(b, *args, **kwargs)
 
         monkeypatch.setattr(torch_quantize, name, counted)
     return counts

@@ -11,6 +11,8 @@ A 3D x 3D batched matmul is the same thing with one group per batch entry, and a
 2D weight is one group; so every expert, routed or shared, grouped or linear, has the same numerics.
 """
 
+from functools import partial
+
 import torch
 
 from . import gemm, torch_quantize
@@ -34,22 +36,23 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     def forward(ctx, a, b, offs, use_cuda_kernels: bool, cached: CachedWeightQuantizer | None):
         quantize = _quantizer(use_cuda_kernels)
         a_fp8, a_scale = quantize.rows(a)
-        b_fp8, b_scale = _quantize_weight(b, "forward", quantize.weight, cached)
-        ctx.save_for_backward(a, b, offs)
+        # The forward cast also gives the amax over N, so the backward's cast of b^T can scale
+        # without reading b for it.
+        b_fp8, b_scale, b_amax_over_n = _quantize_weight(b, "forward", quantize.weight, cached)
+        ctx.save_for_backward(a, b, offs, b_amax_over_n)
         ctx.use_cuda_kernels, ctx.cached = use_cuda_kernels, cached
         return gemm.grouped_mm(a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, use_cuda_kernels)
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, b, offs = ctx.saved_tensors
+        a, b, offs, b_amax_over_n = ctx.saved_tensors
         cuda = ctx.use_cuda_kernels
         quantize = _quantizer(cuda)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_fp8, grad_scale = quantize.rows(grad_out)
-            b_t_fp8, b_t_scale = _quantize_weight(
-                b, "input_grad", quantize.weight_transposed, ctx.cached
-            )
+            transposed = partial(quantize.weight_transposed, amax_over_n=b_amax_over_n)
+            b_t_fp8, b_t_scale = _quantize_weight(b, "input_grad", transposed, ctx.cached)
             grad_a = gemm.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, a.dtype, cuda)
         if ctx.needs_input_grad[1]:
             a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(a, grad_out, offs)

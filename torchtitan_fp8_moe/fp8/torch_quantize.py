@@ -11,14 +11,18 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rowwise(x, dim=-1)
 
 
-def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[G, K, N]`` -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K)."""
-    return quantize_rowwise(b, dim=-2)
+def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[G, K, N]`` -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K), and the amax over N
+    ``[G, K]`` that ``weight_transposed`` scales by (the CUDA kernel takes it in the same read)."""
+    return *quantize_rowwise(b, dim=-2), b.detach().abs().amax(dim=-1).float()
 
 
-def weight_transposed(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[G, K, N]`` -> fp8 of ``b^T [G, N, K]``, scales ``[G, 1, K]`` (over N)."""
-    return quantize_rowwise(b.transpose(-2, -1), dim=-2)
+def weight_transposed(
+    b: torch.Tensor, amax_over_n: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[G, K, N]`` and its amax over N -> fp8 of ``b^T [G, N, K]``, scales ``[G, 1, K]``."""
+    scales = scales_from_amax(amax_over_n).unsqueeze(-2)
+    return to_fp8(b.transpose(-2, -1), scales), scales
 
 
 def _amax_per_group(x: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -1,12 +1,18 @@
 """Our own Triton kernel for rowwise fp8 quantization along a tensor's contiguous last dim.
 
 torchao's rowwise kernels read each row twice (once for the amax, once for the cast) and reached
-about 0.9 TB/s on an H200 for Llama4 activations (docs/benchmarks/README.md). Here one program
-holds a whole row in registers, so the row is read once: amax, power-of-2 scale and cast in one
+about 0.9 TB/s on an H200 for Llama4 activations (docs/benchmarks/README.md). Here a program
+holds whole rows in registers, so each row is read once: amax, power-of-2 scale and cast in one
 pass. Same rules as ``quantize.py``: the scale is the largest power of two that keeps the row's
 amax within fp8 range (taken from the float's exponent bits, so it is exact), values saturate at
 +-FP8_MAX, and NaN stays NaN. CUDA only.
+
+For an expert weight (rows of the stored ``[G, N, K]``, scales over K) the same pass also takes
+each group's amax along N, per column k: the scales of the weight's other orientation (scales
+over N, ``triton_transposed.py``), which then needs one read of the weight instead of two.
 """
+
+import math
 
 import torch
 import triton
@@ -17,6 +23,13 @@ from .triton_rules import pow2_scale, saturate
 
 # Rows up to this many elements fit one program's registers; longer rows are not supported here.
 MAX_ROW = 16384
+# A weight program casts ROW_TILES tiles of TILE_ROWS rows, so that its column amax goes to
+# memory (one atomic max per column) once per TILE_ROWS * ROW_TILES rows, not per row. The
+# fastest of 7 shapes on an H200 (`scripts/bench_quantize.py --weights-only --sweep`,
+# docs/benchmarks/h200_2026-11-30c.md): 0.75 ms for a Scout routed weight, against 0.54 ms for
+# the cast alone; the transposed cast that uses the amax then takes 0.49 ms instead of
+# torchao's 0.85 ms.
+TILE_ROWS, ROW_TILES = 4, 16
 
 
 @triton.jit
@@ -24,46 +37,104 @@ def _rowwise_fp8_kernel(
     x_ptr,
     out_ptr,
     scale_ptr,
+    column_amax_ptr,
+    n_rows,
     n_cols,
     FP8_LIMIT: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    ROW_TILES: tl.constexpr,
+    COLUMN_AMAX: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """Rows of group ``program_id(1)`` (``n_rows`` rows of ``n_cols``); with COLUMN_AMAX also
+    the group's amax over its rows per column, as float32 bits in int32."""
+    group = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = pow2_scale(amax, FP8_LIMIT, AMAX_FLOOR)
-    y = saturate(x * scale, FP8_LIMIT)
-    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    col_mask = cols < n_cols
+    column_amax = tl.zeros((BLOCK,), dtype=tl.int32)
+    first_row = tl.program_id(0) * ROW_TILES * TILE_ROWS
+    rows = first_row + tl.arange(0, TILE_ROWS)
+    x = tl.load(
+        x_ptr + (group * n_rows + rows)[:, None] * n_cols + cols[None, :],
+        mask=(rows < n_rows)[:, None] & col_mask[None, :],
+        other=0.0,
+    )
+    for tile in range(ROW_TILES):
+        rows = first_row + tile * TILE_ROWS + tl.arange(0, TILE_ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        flat_rows = group * n_rows + rows
+        offsets = flat_rows[:, None] * n_cols + cols[None, :]
+        # Issue the next tile's load before this tile's math, so a program keeps a load in
+        # flight (its rows are otherwise read one tile at a time).
+        if ROW_TILES > 1:
+            next_mask = (rows + TILE_ROWS < n_rows) & (tile + 1 < ROW_TILES)
+            x_next = tl.load(
+                x_ptr + offsets + TILE_ROWS * n_cols,
+                mask=next_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
+        magnitude = tl.abs(x.to(tl.float32))
+        scale = pow2_scale(tl.max(magnitude, axis=1), FP8_LIMIT, AMAX_FLOOR)
+        y = saturate(x.to(tl.float32) * scale[:, None], FP8_LIMIT)
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + flat_rows, scale, mask=row_mask)
+        if COLUMN_AMAX:
+            # The bits of a non-negative float order like the float, and NaN's lie above
+            # infinity's: an integer max keeps NaN, whatever the float max would do with it.
+            bits = magnitude.to(tl.int32, bitcast=True)
+            column_amax = tl.maximum(column_amax, tl.max(bits, axis=0))
+        if ROW_TILES > 1:
+            x = x_next
+    if COLUMN_AMAX:
+        tl.atomic_max(column_amax_ptr + group * n_cols + cols, column_amax, mask=col_mask)
 
 
-# A custom op, so torch.compile treats the launch as one opaque call instead of tracing into it.
-@torch.library.custom_op("torchtitan_fp8_moe::rowwise_fp8", mutates_args=())
-def rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., C]`` -> fp8 ``[..., C]`` and fp32 scales ``[..., 1]`` (per row over C)."""
-    n_cols = x.shape[-1]
+def cast_rows(
+    x: torch.Tensor, column_amax: bool, out_dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x [G, R, C]`` -> ``out_dtype [G, R, C]``, fp32 scales ``[G, R, 1]`` (per row over C),
+    and with ``column_amax`` each group's amax of |x| over its rows, ``[G, C]`` float32 (NaN
+    if the column holds one). ``out_dtype`` other than fp8 keeps the scaled, saturated values
+    uncast (how the tests check the kernel in Triton's CPU interpreter, which does not round to
+    fp8 as the GPU does)."""
+    groups, n_rows, n_cols = x.shape
     if n_cols > MAX_ROW:
-        raise ValueError(f"rowwise_fp8: rows of {n_cols} elements exceed {MAX_ROW}")
+        raise ValueError(f"rowwise fp8 cast: rows of {n_cols} elements exceed {MAX_ROW}")
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
-    n_rows = x.numel() // n_cols if n_cols else 0
-    if n_rows:
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    scales = torch.empty((groups, n_rows, 1), dtype=torch.float32, device=x.device)
+    amax_bits = torch.zeros((groups, n_cols), dtype=torch.int32, device=x.device)
+    if x.numel():
         block = triton.next_power_of_2(n_cols)
-        _rowwise_fp8_kernel[(n_rows,)](
+        tile_rows, row_tiles = (TILE_ROWS, ROW_TILES) if column_amax else (1, 1)
+        grid = (triton.cdiv(n_rows, tile_rows * row_tiles), groups)
+        _rowwise_fp8_kernel[grid](
             x,
             out,
             scales,
+            amax_bits,
+            n_rows,
             n_cols,
             FP8_LIMIT=FP8_MAX,
             AMAX_FLOOR=AMAX_FLOOR,
             BLOCK=block,
-            num_warps=max(4, min(16, block // 512)),
+            TILE_ROWS=tile_rows,
+            ROW_TILES=row_tiles,
+            COLUMN_AMAX=column_amax,
+            num_warps=max(4, min(16, block * tile_rows // 512)),
         )
-    return out, scales
+    return out, scales, amax_bits.view(torch.float32) if column_amax else None
+
+
+# Custom ops, so torch.compile treats the launches as opaque calls instead of tracing into them.
+@torch.library.custom_op("torchtitan_fp8_moe::rowwise_fp8", mutates_args=())
+def rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., C]`` -> fp8 ``[..., C]`` and fp32 scales ``[..., 1]`` (per row over C)."""
+    rows = x.reshape(1, math.prod(x.shape[:-1]), x.shape[-1])
+    out, scales, _ = cast_rows(rows, column_amax=False)
+    return out.view(x.shape), scales.view(*x.shape[:-1], 1)
 
 
 @rowwise_fp8.register_fake
@@ -71,4 +142,23 @@ def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (
         torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
         torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device),
+    )
+
+
+@torch.library.custom_op("torchtitan_fp8_moe::rowwise_fp8_with_column_amax", mutates_args=())
+def rowwise_fp8_with_column_amax(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [G, R, C]`` -> fp8 ``[G, R, C]``, scales ``[G, R, 1]`` and the amax over each
+    group's rows ``[G, C]``, from one read of x."""
+    return cast_rows(x, column_amax=True)
+
+
+@rowwise_fp8_with_column_amax.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, n_rows, n_cols = x.shape
+    return (
+        torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+        torch.empty((groups, n_rows, 1), dtype=torch.float32, device=x.device),
+        torch.empty((groups, n_cols), dtype=torch.float32, device=x.device),
     )

@@ -34,7 +34,7 @@ import torch
 
 _live_caches: "weakref.WeakSet[WeightQuantCache]" = weakref.WeakSet()
 
-Quantized = tuple[torch.Tensor, torch.Tensor]
+Quantized = tuple[torch.Tensor, ...]  # fp8 data, scales (, the amax of the other orientation)
 
 
 class WeightQuantCache:
