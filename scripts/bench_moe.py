@@ -169,8 +169,10 @@ def main() -> None:
         raise SystemExit("--tp: name the projection cases with --cases (not moe_layer)")
     hidden = HIDDEN // args.tp
     impls = args.impls.split(",")
-    if "bf16" not in impls:
-        raise SystemExit("--impls: bf16 is the baseline of every row")
+    if "bf16" not in impls or not set(impls) <= set(IMPLS):
+        raise SystemExit(f"--impls: a subset of {','.join(IMPLS)} with bf16, the baseline")
+    if args.repeat < 1:
+        raise SystemExit("--repeat: at least 1")
     from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
     set_token_group_alignment_size_m(16)  # fp8 grouped GEMMs need 16-row token groups
@@ -277,7 +279,7 @@ def plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = sorted({(r["case"], r["tokens"]) for r in rows}, key=lambda k: (k[1], k[0]))
-    impls = ["bf16", "torchao", "float8_moe"]
+    impls = [impl for impl in IMPLS if any(r["impl"] == impl for r in rows)]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.27
     for i, impl in enumerate(impls):

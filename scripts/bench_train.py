@@ -29,13 +29,16 @@ ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"step: +(\d+) +loss: +(\S+).*?memory: +([\d.]+)GiB.*?tps: +([\d,]+)")
 
 
-# "+dense": torchtitan's own fp8 rowwise converter on the dense linears (attention projections)
-# beside ours on the experts; the router, the output layer and the shared expert stay out of it.
-DENSE_FP8 = [
-    "--model.converters=quantize.linear.float8,float8_moe",
-    "--quantize.linear.float8.recipe_name=rowwise",
-    "--quantize.linear.float8.filter_fqns=output,router.gate,shared_expert",
-]
+def dense_fp8(variant: str) -> list[str]:
+    """``+dense``: torchtitan's own fp8 rowwise converter on the dense linears (attention
+    projections), beside ours on the experts unless the variant is bf16; the router, the output
+    layer and the shared expert stay out of it."""
+    converters = "quantize.linear.float8" + ("" if variant.startswith("bf16") else ",float8_moe")
+    return [
+        f"--model.converters={converters}",
+        "--quantize.linear.float8.recipe_name=rowwise",
+        "--quantize.linear.float8.filter_fqns=output,router.gate,shared_expert",
+    ]
 
 
 def _without_converters(config: str, folder: Path) -> Path:
@@ -57,7 +60,7 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         f"--job.dump_folder=outputs/bench_train/{variant}",
         *(["--compile.enable"] if "+compile" in variant else []),
         *(["--float8_moe.cache_fp8_weights"] if "+cache" in variant else []),
-        *(DENSE_FP8 if "+dense" in variant else []),
+        *(dense_fp8(variant) if "+dense" in variant else []),
         *extra,
     ]
     env = dict(os.environ, NGPU=str(args.ngpu), CONFIG_FILE=str(config))

@@ -20,6 +20,12 @@ def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(scale)))
 
 
+def amax_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """float32 amax of |x| along ``dim`` (NaN where a slice holds one), without making |x|."""
+    x = x.detach()
+    return torch.maximum(x.amax(dim=dim), -x.amin(dim=dim)).float()
+
+
 def rowwise_scales(x: torch.Tensor, dim: int) -> torch.Tensor:
     """fp32 multipliers that map each slice of ``x`` along ``dim`` into fp8 range (keepdim)."""
     return scales_from_amax(x.detach().abs().amax(dim=dim, keepdim=True))

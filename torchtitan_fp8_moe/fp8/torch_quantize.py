@@ -3,7 +3,7 @@
 import torch
 
 from .gemm import per_token, token_groups
-from .quantize import quantize_rowwise, scales_from_amax, to_fp8
+from .quantize import amax_along, quantize_rowwise, scales_from_amax, to_fp8
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -14,7 +14,7 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[G, K, N]`` -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K), and the amax over N
     ``[G, K]`` that ``weight_transposed`` scales by (the CUDA kernel takes it in the same read)."""
-    return *quantize_rowwise(b, dim=-2), b.detach().abs().amax(dim=-1).float()
+    return *quantize_rowwise(b, dim=-2), amax_along(b, dim=-1)
 
 
 def weight_transposed(

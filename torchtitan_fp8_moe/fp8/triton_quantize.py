@@ -16,7 +16,7 @@ from torchao.prototype.moe_training.kernels import (
 )
 
 from .gemm import column_major
-from .quantize import FP8_DTYPE
+from .quantize import FP8_DTYPE, amax_along
 from .triton_per_group import per_group_colwise_fp8_pair
 from .triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
 from .triton_transposed import transposed_fp8
@@ -42,7 +42,7 @@ def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     data, scales = triton_fp8_colwise_3d_scale_and_cast(
         column_major(b), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
     )
-    return data, scales, b.detach().abs().amax(dim=-1).float()
+    return data, scales, amax_along(b, dim=-1)
 
 
 def weight_transposed(

@@ -23,6 +23,12 @@ from .triton_rules import pow2_scale, saturate
 
 # Rows up to this many elements fit one program's registers; longer rows are not supported here.
 MAX_ROW = 16384
+# A weight program's tile holds at most this many elements (4 rows of 8192 were the fastest
+# shape; 8 rows of 8192 spilled registers and ran 12x slower).
+MAX_TILE = 32768
+# Below this many programs (2 per SM of an H200) a weight cast takes one tile per program, so
+# that small weights (a shared expert, a TP shard) still spread over the GPU.
+MIN_PROGRAMS = 264
 # A weight program casts ROW_TILES tiles of TILE_ROWS rows, so that its column amax goes to
 # memory (one atomic max per column) once per TILE_ROWS * ROW_TILES rows, not per row. The
 # fastest of 7 shapes on an H200 (`scripts/bench_quantize.py --weights-only --sweep`,
@@ -83,7 +89,7 @@ def _rowwise_fp8_kernel(
         if COLUMN_AMAX:
             # The bits of a non-negative float order like the float, and NaN's lie above
             # infinity's: an integer max keeps NaN, whatever the float max would do with it.
-            bits = magnitude.to(tl.int32, bitcast=True)
+            bits = magnitude.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # whatever abs does to NaN
             column_amax = tl.maximum(column_amax, tl.max(bits, axis=0))
         if ROW_TILES > 1:
             x = x_next
@@ -105,16 +111,23 @@ def cast_rows(
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     scales = torch.empty((groups, n_rows, 1), dtype=torch.float32, device=x.device)
-    amax_bits = torch.zeros((groups, n_cols), dtype=torch.int32, device=x.device)
+    # Without column_amax the kernel never touches the amax buffer: scales stands in for it.
+    amax_bits = (
+        torch.zeros((groups, n_cols), dtype=torch.int32, device=x.device) if column_amax else None
+    )
     if x.numel():
         block = triton.next_power_of_2(n_cols)
-        tile_rows, row_tiles = (TILE_ROWS, ROW_TILES) if column_amax else (1, 1)
+        tile_rows, row_tiles = 1, 1
+        if column_amax:
+            tile_rows = max(1, min(TILE_ROWS, MAX_TILE // block))
+            if groups * triton.cdiv(n_rows, tile_rows * ROW_TILES) >= MIN_PROGRAMS:
+                row_tiles = ROW_TILES
         grid = (triton.cdiv(n_rows, tile_rows * row_tiles), groups)
         _rowwise_fp8_kernel[grid](
             x,
             out,
             scales,
-            amax_bits,
+            scales if amax_bits is None else amax_bits,
             n_rows,
             n_cols,
             FP8_LIMIT=FP8_MAX,
@@ -125,7 +138,7 @@ def cast_rows(
             COLUMN_AMAX=column_amax,
             num_warps=max(4, min(16, block * tile_rows // 512)),
         )
-    return out, scales, amax_bits.view(torch.float32) if column_amax else None
+    return out, scales, None if amax_bits is None else amax_bits.view(torch.float32)
 
 
 # Custom ops, so torch.compile treats the launches as opaque calls instead of tracing into them.

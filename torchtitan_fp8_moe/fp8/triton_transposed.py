@@ -37,8 +37,9 @@ def _transposed_fp8_kernel(
     BLOCK_N: tl.constexpr,
 ):
     group = tl.program_id(2).to(tl.int64)
-    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64: one expert's matrix may exceed 2**31 elements.
+    ks = (tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    ns = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     k_mask = ks < n_k
     mask = k_mask[:, None] & (ns < n_n)[None, :]
     amax = tl.load(amax_ptr + group * n_k + ks, mask=k_mask, other=0.0)
