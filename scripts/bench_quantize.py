@@ -7,9 +7,10 @@ For each token count M (16 experts, uneven token groups aligned to 16, Scout's 5
 - the weight-gradient operands' per-group column-wise cast (``a [M, K]`` and ``grad [M, N]``,
   one scale per group and column): ours (``per_group_colwise_fp8_pair``) against torchao's
   ``triton_fp8_per_group_colwise_scales`` on each operand;
-- the two weight orientations of a ``[16, N, K]`` expert weight: ours (the forward cast also takes
-  the amax over N, so the transposed cast reads the weight once) against torchao's
-  ``triton_fp8_colwise_3d_scale_and_cast`` and ``triton_fp8_rowwise_3d_transpose_rhs``.
+- the two weight orientations of Scout's routed, grouped shared and TP 8 shard weights
+  (``WEIGHT_CASES``): ours (the forward cast also takes the amax over N, so the transposed cast
+  reads the weight once) against torchao's ``triton_fp8_colwise_3d_scale_and_cast`` and
+  ``triton_fp8_rowwise_3d_transpose_rhs``.
 Steady-state times are triton ``do_bench`` medians (ms). ``first call`` is the wall time of the
 first call at each of ``--new-counts`` token counts never seen before (what expert parallelism
 meets every step, since the tokens a rank receives vary): compilation and autotuning included.
@@ -51,8 +52,8 @@ TILES = [
 ]
 
 
-# Other (TILE_ROWS, ROW_TILES) of the forward weight cast timed by --sweep.
-WEIGHT_SWEEP = [(1, 64), (1, 32), (2, 16), (4, 8), (4, 16), (8, 8)]
+# (TILE_ROWS, ROW_TILES) of the forward weight cast timed by --sweep (tiles capped at MAX_TILE).
+WEIGHT_SWEEP = [(2, 16), (4, 16), (8, 16), (16, 16), (32, 16), (32, 8), (32, 4), (8, 8)]
 
 
 def group_ends(tokens: int, seed: int, skew: float = 0.0) -> torch.Tensor:
@@ -124,14 +125,26 @@ def _torchao_weight_casts(b):
     )
 
 
+# (groups, in_dim, out_dim) of the weights whose casts are timed: Scout's routed experts, its
+# [1, hidden, dim] grouped shared expert, and a routed weight's TP 8 shard.
+WEIGHT_CASES = {
+    "routed_w1": (EXPERTS, DIM, HIDDEN),
+    "routed_w2": (EXPERTS, HIDDEN, DIM),
+    "shared_w1": (1, DIM, HIDDEN),
+    "shared_w2": (1, HIDDEN, DIM),
+    "tp8_w1": (EXPERTS, DIM, HIDDEN // 8),
+    "tp8_w2": (EXPERTS, HIDDEN // 8, DIM),
+}
+
+
 def weight_casts(sweep: bool) -> list[dict]:
-    """Both orientations of a Scout routed weight: ours (the forward cast also takes the amax
-    over N; the transposed cast reads the weight once) against torchao's kernels."""
+    """Both orientations of each weight of WEIGHT_CASES: ours (the forward cast also takes the
+    amax over N; the transposed cast reads the weight once) against torchao's kernels."""
     rows = []
     shipped = (rowwise.TILE_ROWS, rowwise.ROW_TILES)
-    for case, (in_dim, out_dim) in (("routed_w1", (DIM, HIDDEN)), ("routed_w2", (HIDDEN, DIM))):
+    for case, (groups, in_dim, out_dim) in WEIGHT_CASES.items():
         # Stored as the expert modules hold it: [E, out, in], used as [E, in, out].
-        stored = torch.randn(EXPERTS, out_dim, in_dim, device="cuda", dtype=torch.bfloat16)
+        stored = torch.randn(groups, out_dim, in_dim, device="cuda", dtype=torch.bfloat16)
         b = stored.transpose(-2, -1)
         _, _, amax = triton_quantize.weight(b)
         (ao_fwd, _), (ao_t, _) = _torchao_weight_casts(b)

@@ -144,7 +144,6 @@ ROWS = [
         WORKS,
         "resumes from the last checkpoint on disk with the uninterrupted run's losses",
         [
-            "test_train.py::test_resume_from_checkpoint_matches_uninterrupted",
             "test_train.py::test_killed_run_resumes_from_its_last_checkpoint",
         ],
     ),

@@ -79,7 +79,7 @@ def runs(tmp_path_factory):
         *CURVE,
         f"--job.dump_folder={tmp / 'fp8'}",
         "--checkpoint.enable",
-        f"--checkpoint.interval={CURVE_STEPS // 2}",
+        f"--checkpoint.interval={CURVE_STEPS}",
     )
     return {"tmp": tmp, "bf16": bf16, "fp8": fp8}
 
@@ -170,28 +170,6 @@ def test_fp8_loss_tracks_bf16(runs):
     assert max(gaps.values()) < 0.02, (gaps, bf16, fp8)
     assert gaps[1] > 0, "identical first losses: the fp8 path did not run"
     assert fp8[CURVE_STEPS] < fp8[1] - 1.0
-
-
-def test_resume_from_checkpoint_matches_uninterrupted(runs):
-    """Stop after the mid-run checkpoint, resume: the remaining steps repeat the uninterrupted
-    run's losses exactly."""
-    middle = CURVE_STEPS // 2
-    resumed_dir = runs["tmp"] / "resumed"
-    shutil.copytree(
-        runs["tmp"] / "fp8" / "checkpoint" / f"step-{middle}",
-        resumed_dir / "checkpoint" / f"step-{middle}",
-    )
-    log = run_train(
-        2,
-        SEED_CONFIG,
-        *CURVE,
-        f"--job.dump_folder={resumed_dir}",
-        "--checkpoint.enable",
-        f"--checkpoint.interval={middle}",
-    )
-    resumed, uninterrupted = losses(log), losses(runs["fp8"])
-    assert sorted(resumed) == list(range(middle + 1, CURVE_STEPS + 1))
-    assert resumed == {s: uninterrupted[s] for s in resumed}
 
 
 def _process_tree(pid: int) -> list[int]:

@@ -26,15 +26,14 @@ MAX_ROW = 16384
 # A weight program's tile holds at most this many elements (4 rows of 8192 were the fastest
 # shape; 8 rows of 8192 spilled registers and ran 12x slower).
 MAX_TILE = 32768
-# Below this many programs (2 per SM of an H200) a weight cast takes one tile per program, so
-# that small weights (a shared expert, a TP shard) still spread over the GPU.
-MIN_PROGRAMS = 264
 # A weight program casts ROW_TILES tiles of TILE_ROWS rows, so that its column amax goes to
 # memory (one atomic max per column) once per TILE_ROWS * ROW_TILES rows, not per row. The
 # fastest of 7 shapes on an H200 (`scripts/bench_quantize.py --weights-only --sweep`,
 # docs/benchmarks/h200_2026-11-30c.md): 0.75 ms for a Scout routed weight, against 0.54 ms for
 # the cast alone; the transposed cast that uses the amax then takes 0.49 ms instead of
-# torchao's 0.85 ms.
+# torchao's 0.85 ms. Small weights too (a shared expert, a TP 8 shard): one tile per program,
+# to spread them over more programs, was 1.3-3.5x slower on the H200
+# (docs/benchmarks/h200_2026-12-01.md).
 TILE_ROWS, ROW_TILES = 4, 16
 
 
@@ -119,9 +118,7 @@ def cast_rows(
         block = triton.next_power_of_2(n_cols)
         tile_rows, row_tiles = 1, 1
         if column_amax:
-            tile_rows = max(1, min(TILE_ROWS, MAX_TILE // block))
-            if groups * triton.cdiv(n_rows, tile_rows * ROW_TILES) >= MIN_PROGRAMS:
-                row_tiles = ROW_TILES
+            tile_rows, row_tiles = max(1, min(TILE_ROWS, MAX_TILE // block)), ROW_TILES
         grid = (triton.cdiv(n_rows, tile_rows * row_tiles), groups)
         _rowwise_fp8_kernel[grid](
             x,
