@@ -20,6 +20,9 @@ bias = torch.randn(40, dtype=bf16)
 w = torch.randn(4, 48, 40, dtype=bf16, requires_grad=True)
 offs = torch.tensor([10, 30, 30, 64], dtype=torch.int32)  # an empty group, 6 rows in none
 
+a3 = torch.randn(4, 16, 48, dtype=bf16)
+
+
 def forms():
     return {
         "mm": a @ b,
@@ -28,7 +31,18 @@ def forms():
         "baddbmm": torch.baddbmm(bias.expand(2, 70, 40), a.expand(2, -1, -1), b.expand(2, -1, -1)),
         "linear": torch.nn.functional.linear(a, b.t(), bias),
         "grouped_mm": torch._grouped_mm(a[:64], w, offs=offs),
+        "grouped_mm_3d": torch._grouped_mm(a3, w),
     }
+
+
+def fp32_gemm_ran():
+    # Which forms ran through an fp32 copy of their operands (the profiler sees the casts).
+    ran = {}
+    for name in forms():
+        with torch.no_grad(), torch.profiler.profile() as prof:
+            forms()[name]
+        ran[name] = any(e.name == "aten::_to_copy" for e in prof.events())
+    return ran
 
 def grads():
     loss = sum(o.float().square().sum() for o in forms().values())
@@ -49,6 +63,8 @@ def exact(name, t):
     if name == "bmm": return (a64 @ b64).expand(3, -1, -1)
     if name == "baddbmm": return bias64 + a64 @ b64
     if name == "linear": return a64 @ b64 + bias64
+    if name == "grouped_mm_3d":
+        return a3.double() @ w64
     if name == "grouped_mm":
         out, start = torch.zeros(64, 40, dtype=torch.float64), 0
         for g, end in enumerate(offs.tolist()):
@@ -63,11 +79,25 @@ weight = Float8MoEWeight(torch.randn(48, 40, dtype=bf16), emulate=True)
 fp8_before = a.detach() @ weight
 x32, y32 = torch.randn(33, 17), torch.randn(17, 9)
 fp32_before = x32 @ y32
-torch_bf16 = run()
+torch_bf16, ran_before = run(), fp32_gemm_ran()
 cpu.use_fp32_gemms_for_bf16()
 cpu.use_fp32_gemms_for_bf16()  # idempotent
-ours = run()
-report = {"dtypes_equal": all(ours[k].dtype == torch_bf16[k].dtype for k in ours)}
+ours, ran_after = run(), fp32_gemm_ran()
+# Compiled, the grouped forms stay bf16 (the compiler's shape rule takes bf16 only).
+compiled = torch.compile(
+    lambda: (torch._grouped_mm(a[:64], w, offs=offs), torch._grouped_mm(a3, w)),
+    backend="eager",
+    fullgraph=True,
+)
+with torch.no_grad():
+    compiled_2d, compiled_3d = compiled()
+report = {
+    "dtypes_equal": all(ours[k].dtype == torch_bf16[k].dtype for k in ours),
+    "fp32_before": [k for k, v in ran_before.items() if v],
+    "not_fp32_after": [k for k, v in ran_after.items() if not v],
+    "grouped_mm_compiled_vs_torch": ulps(compiled_2d, torch_bf16["grouped_mm"].double()),
+    "grouped_mm_3d_compiled_vs_torch": ulps(compiled_3d, torch_bf16["grouped_mm_3d"].double()),
+}
 for name in forms():
     report[f"{name}_vs_exact"] = ulps(ours[name], exact(name, ours[name]))
 for name in ours:
@@ -86,6 +116,9 @@ def test_bf16_gemms_as_fp32_match_torch_and_the_exact_result():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report.pop("dtypes_equal")
+    # The switch is what runs: no form went through fp32 before it, every form after it.
+    assert report.pop("fp32_before") == [], report
+    assert report.pop("not_fp32_after") == [], report
     assert report.pop("fp32_mm_unchanged")
     assert report.pop("fp8_unchanged")
     # In units of 2^-8 of the reference's magnitude: one rounding to bf16 (half a spacing) is

@@ -83,23 +83,22 @@ def _gemm_through_fp32(name: str):
 
 
 @functools.wraps(_original_grouped_mm)
-def _grouped_mm(mat_a, mat_b, *args, **kwargs):
-    # Plain CPU tensors only: subclasses (a converted weight) take their own path.
-    operands = [mat_a, mat_b, *args, *kwargs.values()]
-    if not (
-        type(mat_a) is torch.Tensor
-        and type(mat_b) is torch.Tensor
-        and mat_a.device.type == "cpu"
-        and mat_a.dtype == mat_b.dtype == torch.bfloat16
-        and kwargs.get("out_dtype") in (None, torch.bfloat16)
-        and _all_bf16(operands)
+def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    # Plain bf16 CPU tensors only: a converted weight (a subclass) takes its own path, and under
+    # torch.compile the call stays bf16 (the compiler's shape rule for _grouped_mm takes bf16
+    # only; compiled code runs its own kernel call anyway).
+    if (
+        torch.compiler.is_compiling()
+        or type(mat_a) is not torch.Tensor
+        or type(mat_b) is not torch.Tensor
+        or mat_a.device.type != "cpu"
+        or mat_a.dtype != torch.bfloat16
+        or mat_b.dtype != torch.bfloat16
+        or bias is not None
+        or out_dtype not in (None, torch.bfloat16)
     ):
-        return _original_grouped_mm(mat_a, mat_b, *args, **kwargs)
-    kwargs.pop("out_dtype", None)
-    upcast = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    fp32_args = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
-    out = _original_grouped_mm(mat_a.float(), mat_b.float(), *fp32_args, **upcast)
-    return out.to(torch.bfloat16)
+        return _original_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+    return _original_grouped_mm(mat_a.float(), mat_b.float(), offs=offs).to(torch.bfloat16)
 
 
 def use_fp32_gemms_for_bf16() -> None:
