@@ -93,6 +93,33 @@ def test_quantization_rules():
     assert torch.equal(dequantize(data, scale)[0], x[0])
 
 
+def test_emulation_shortcuts_give_torchs_own_fp8_conversions():
+    """The emulation's CPU shortcuts against torch's fp8 casts: every one of the 256 fp8 codes
+    dequantizes to ``code.float() / scale`` (NaN, -0 and subnormals included), and bf16 values
+    scaled in bf16 cast to the same fp8 bytes as scaled in float32 (saturation, values that
+    round into fp8's subnormals, inf, NaN)."""
+    from torchtitan_fp8_moe.fp8.quantize import FP8_DTYPE, to_fp8
+
+    def same_bits(a, b):  # NaN where the other has NaN, every other value bit for bit
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(
+            a.nan_to_num().view(torch.int32), b.nan_to_num().view(torch.int32)
+        )
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).reshape(16, 16)
+    for scale in (torch.tensor(1.0), torch.full((16, 1), 2.0**-7), torch.full((1, 16), 2.0**9)):
+        want = codes.float() / scale
+        assert same_bits(dequantize(codes, scale), want)
+        assert same_bits(dequantize(codes.t(), scale.t()), want.t())  # a transposed layout
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 96) * torch.logspace(-12, 6, 96)
+    x[0, :6] = torch.tensor([float("inf"), -float("inf"), float("nan"), 448.0, 464.0, -480.0])
+    x = x.bfloat16()
+    for scale in (torch.tensor([[1.0]]), 2.0 ** torch.randint(-20, 20, (64, 1)).float()):
+        want = (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        assert torch.equal(to_fp8(x, scale).view(torch.uint8), want.view(torch.uint8))
+
+
 def test_unsupported_call_form_raises_instead_of_bf16():
     w = Float8MoEWeight(torch.randn(2, 16, 16), emulate=True)
     with pytest.raises(NotImplementedError, match="float8_moe"):

@@ -129,3 +129,39 @@ def test_per_group_colwise_kernel_in_triton_interpreter():
 def test_weight_cast_kernels_in_triton_interpreter():
     """The forward weight cast with the amax over N, and the single-read transposed cast."""
     _run_interpreted("_check_weight_casts")
+
+
+def test_kernels_are_custom_ops_only_where_needed():
+    """Meta and fake tensors (pipeline shape inference, torch.compile's tracing) reach our
+    kernels' custom ops and get their shape rules without a launch; plain eager tensors skip the
+    op's dispatch (host time) and run the implementation directly."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchtitan_fp8_moe.fp8 import gemm, triton_per_group, triton_rowwise, triton_transposed
+    from torchtitan_fp8_moe.fp8.quantize import FP8_DTYPE
+
+    x = torch.empty(6, 40, device="meta", dtype=torch.bfloat16)
+    data, scales = triton_rowwise.rowwise_fp8(x)
+    assert (data.device.type, data.shape, data.dtype) == ("meta", (6, 40), FP8_DTYPE)
+    assert scales.shape == (6, 1)
+    b = torch.empty(3, 40, 24, device="meta", dtype=torch.bfloat16)
+    _, _, amax = triton_rowwise.rowwise_fp8_with_column_amax(b)
+    assert (amax.device.type, amax.shape) == ("meta", (3, 24))
+    data_t, scales_t = triton_transposed.transposed_fp8(b, amax)
+    assert (data_t.shape, scales_t.shape) == ((3, 24, 40), (3, 40))
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    with FakeTensorMode() as mode:
+        fake_a = mode.from_tensor(torch.randn(6, 40))
+        fake_grad = mode.from_tensor(torch.randn(6, 24))
+        fake_offs = mode.from_tensor(offs)
+        pair = triton_per_group.per_group_colwise_fp8_pair(fake_a, fake_grad, fake_offs)
+    assert [tuple(t.shape) for t in pair] == [(6, 40), (2, 40), (6, 24), (2, 24)]
+
+    a, b_plain = torch.randn(6, 40), torch.randn(2, 40, 24)
+    with torch.profiler.profile() as profile:
+        out = gemm.grouped_mm_fp32(a, b_plain, offs)
+    names = {event.key for event in profile.key_averages()}
+    assert "aten::_grouped_mm" in names
+    assert not any(name.startswith("torchtitan_fp8_moe::") for name in names), names
+    assert torch.allclose(out[:2], a[:2] @ b_plain[0], atol=1e-5)
+    assert torch.allclose(out[2:], a[2:] @ b_plain[1], atol=1e-5)

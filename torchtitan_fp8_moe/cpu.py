@@ -37,6 +37,12 @@ _DEVICE_GLOBALS = {
     "torchtitan.distributed.parallel_dims": ("device_type",),
     "torchtitan.distributed.utils": ("device_type", "device_module"),
 }
+# torchtitan model args that switch the experts to the for-loop path without CUDA SM90.
+_MODEL_ARGS_MODULES = (
+    "torchtitan.models.llama4.model.args",
+    "torchtitan.models.deepseek_v3.model.args",
+    "torchtitan.models.gpt_oss.model.args",
+)
 _original_histc = torch.histc
 _original_generate_permute_indices = moe_utils.generate_permute_indices
 _original_disable_division = None
@@ -213,7 +219,6 @@ def enable_cpu_training() -> None:
     from torchtitan.components import metrics
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama4.infra import parallelize
-    from torchtitan.models.llama4.model import args
 
     select_cpu_device()
     enable_moe_ops()
@@ -223,8 +228,10 @@ def enable_cpu_training() -> None:
     torch.distributed.destroy_process_group = _exit_after_training
     _original_disable_division = parallelize.disable_fsdp_gradient_division
     parallelize.disable_fsdp_gradient_division = _disable_fsdp_gradient_division_with_sums
-    # torch._grouped_mm runs on CPU: keep the experts on the grouped path the GPU takes.
-    args.has_cuda_capability = lambda major, minor: True
+    # torch._grouped_mm runs on CPU: keep the experts on the grouped path the GPU takes (each
+    # model's args fall back to a per-expert for-loop below SM90).
+    for args_module in _MODEL_ARGS_MODULES:
+        importlib.import_module(args_module).has_cuda_capability = lambda major, minor: True
     logger.info(
         "running on CPU: gloo backend, emulated fp8, experts on the grouped-mm path; "
         "memory is the process's peak RSS; FSDP reduces gradients with sums (gloo has no "

@@ -16,6 +16,7 @@ traces under ``torch.compile(fullgraph=True)`` as the CUDA kernels do.
 import torch
 import torch.nn.functional as F
 
+from .opaque import compile_opaque
 from .quantize import dequantize
 
 # torch._grouped_mm wants 16-byte aligned strides: fp32 rows a multiple of 4 elements.
@@ -45,10 +46,7 @@ def padded(x: torch.Tensor, *dims: int) -> torch.Tensor:
     return F.pad(x, pad) if any(pad) else x
 
 
-# The fp32 grouped GEMMs are custom ops: torch.compile's shape rule for _grouped_mm accepts bf16
-# only, so compiled code calls them as one opaque op (the same kernel eager runs).
-@torch.library.custom_op("torchtitan_fp8_moe::grouped_mm_fp32", mutates_args=())
-def grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """fp32 ``a [M, K]`` times ``b [G, K, N]`` per group -> ``[M, N]``; rows of no group are 0."""
     tokens, n = a.shape[0], b.shape[-1]
     out = torch._grouped_mm(padded(a, -1), padded(b, -2, -1), offs=offs)[:, :n]
@@ -57,13 +55,11 @@ def grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tor
     return torch.where((token < offs[-1])[:, None], out, 0)
 
 
-@grouped_mm_fp32.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_fp32_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[-1]))
 
 
-@torch.library.custom_op("torchtitan_fp8_moe::grouped_wgrad_mm_fp32", mutates_args=())
-def grouped_wgrad_mm_fp32(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _grouped_wgrad_mm_fp32(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Per group ``a_g^T @ grad_g`` of fp32 ``a [M, K]``, ``grad [M, N]`` -> ``[G, K, N]``; an
     empty group gives zeros and rows of no group are never read."""
     k, n = a.shape[1], grad.shape[1]
@@ -71,9 +67,18 @@ def grouped_wgrad_mm_fp32(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tenso
     return out[:, :k, :n].contiguous()
 
 
-@grouped_wgrad_mm_fp32.register_fake
-def _(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _grouped_wgrad_mm_fp32_fake(
+    a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
     return a.new_empty((offs.shape[0], a.shape[1], grad.shape[1]))
+
+
+# torch.compile's shape rule for _grouped_mm accepts bf16 only: compiled code calls the fp32
+# grouped GEMMs as opaque ops (the same kernel eager runs).
+grouped_mm_fp32 = compile_opaque("grouped_mm_fp32", _grouped_mm_fp32, _grouped_mm_fp32_fake)
+grouped_wgrad_mm_fp32 = compile_opaque(
+    "grouped_wgrad_mm_fp32", _grouped_wgrad_mm_fp32, _grouped_wgrad_mm_fp32_fake
+)
 
 
 def column_major(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .opaque import compile_opaque
 from .quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -95,9 +96,7 @@ def cast_per_group_colwise(
     return out, scales
 
 
-# A custom op, so torch.compile treats the launches as one opaque call.
-@torch.library.custom_op("torchtitan_fp8_moe::per_group_colwise_fp8_pair", mutates_args=())
-def per_group_colwise_fp8_pair(
+def _colwise_fp8_pair(
     a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weight gradient's operands: ``(a_fp8, a_scales [G, K], grad_fp8, grad_scales [G, N])``,
@@ -105,10 +104,14 @@ def per_group_colwise_fp8_pair(
     return (*cast_per_group_colwise(a, offs), *cast_per_group_colwise(grad, offs))
 
 
-@per_group_colwise_fp8_pair.register_fake
-def _(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
+def _colwise_fp8_pair_fake(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
     def fake(x):
         data = x.new_empty((x.shape[1], x.shape[0]), dtype=FP8_DTYPE).t()
         return data, x.new_empty((offs.shape[0], x.shape[1]), dtype=torch.float32)
 
     return (*fake(a), *fake(grad))
+
+
+per_group_colwise_fp8_pair = compile_opaque(
+    "per_group_colwise_fp8_pair", _colwise_fp8_pair, _colwise_fp8_pair_fake
+)

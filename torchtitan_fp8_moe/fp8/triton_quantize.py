@@ -3,7 +3,8 @@
 Same outputs as ``torch_quantize.py`` (fp8 data, fp32 power-of-2 multipliers), laid out the way
 the fp8 GEMMs want them: activations row-major, weights column-major per expert. Our kernels
 throughout (faster than torchao's, docs/benchmarks/): one-pass rowwise casts
-(``triton_rowwise.py``; the weight's forward cast also takes the amax of the other orientation),
+(``triton_rowwise.py``; for rows longer than 4096 the weight's forward cast also takes the amax
+of the other orientation),
 the single-read transposed weight cast (``triton_transposed.py``) and the per-group casts of the
 weight gradient without token-count autotuning (``triton_per_group.py``). Only rows longer than
 our rowwise kernel holds in registers use torchao's kernels.
@@ -16,7 +17,7 @@ from torchao.prototype.moe_training.kernels import (
 )
 
 from .gemm import column_major
-from .quantize import FP8_DTYPE, amax_along
+from .quantize import FP8_DTYPE
 from .triton_per_group import per_group_colwise_fp8_pair
 from .triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
 from .triton_transposed import transposed_fp8
@@ -31,18 +32,35 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def _amax_over_n(b: torch.Tensor) -> torch.Tensor:
+    """``quantize.amax_along(b, -1)`` in one pass on CUDA (the inf-norm; its amax and amin are
+    two, 2x slower on an H200, though 4x faster than this on CPU)."""
+    return torch.linalg.vector_norm(b, ord=float("inf"), dim=-1).float()
+
+
+# The forward weight cast takes the amax over N in the same read only for rows (K) longer than
+# this: on an H200 it was the fastest way for rows of 5120 and 8192 (0.74 ms for a Scout routed
+# weight, against 0.88 ms for the cast and torch's amax), but 2.5-7x slower than the cast and
+# torch's amax for rows of 1024-4096, the TP 2-8 shards of w2 (1.62 vs 0.43 ms at 4096;
+# docs/benchmarks/h200_2026-12-01b.md).
+FUSED_AMAX_MIN_ROW = 4097
+
+
 def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[G, K, N]`` (column-major) -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K), and
     the amax over N ``[G, K]`` that ``weight_transposed`` scales by."""
-    if b.shape[-2] <= MAX_ROW:
-        # Column-major, K is the contiguous dim: each column is one row of the storage.
-        stored = column_major(b).transpose(-2, -1)
+    b = column_major(b)  # K contiguous: each [K] column of b is one row of the storage
+    if b.shape[-2] > MAX_ROW:
+        data, scales = triton_fp8_colwise_3d_scale_and_cast(
+            b, output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
+        )
+        return data, scales, _amax_over_n(b)
+    stored = b.transpose(-2, -1)
+    if b.shape[-2] >= FUSED_AMAX_MIN_ROW:
         data, scales, amax_over_n = rowwise_fp8_with_column_amax(stored)
-        return data.transpose(-2, -1), scales.transpose(-2, -1), amax_over_n
-    data, scales = triton_fp8_colwise_3d_scale_and_cast(
-        column_major(b), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
-    )
-    return data, scales, amax_along(b, dim=-1)
+    else:
+        (data, scales), amax_over_n = rowwise_fp8(stored), _amax_over_n(b)
+    return data.transpose(-2, -1), scales.transpose(-2, -1), amax_over_n
 
 
 def weight_transposed(

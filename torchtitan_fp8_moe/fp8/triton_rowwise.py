@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .opaque import compile_opaque
 from .quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -138,25 +139,21 @@ def cast_rows(
     return out, scales, None if amax_bits is None else amax_bits.view(torch.float32)
 
 
-# Custom ops, so torch.compile treats the launches as opaque calls instead of tracing into them.
-@torch.library.custom_op("torchtitan_fp8_moe::rowwise_fp8", mutates_args=())
-def rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., C]`` -> fp8 ``[..., C]`` and fp32 scales ``[..., 1]`` (per row over C)."""
     rows = x.reshape(1, math.prod(x.shape[:-1]), x.shape[-1])
     out, scales, _ = cast_rows(rows, column_amax=False)
     return out.view(x.shape), scales.view(*x.shape[:-1], 1)
 
 
-@rowwise_fp8.register_fake
-def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rowwise_fp8_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (
         torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
         torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device),
     )
 
 
-@torch.library.custom_op("torchtitan_fp8_moe::rowwise_fp8_with_column_amax", mutates_args=())
-def rowwise_fp8_with_column_amax(
+def _rowwise_fp8_with_column_amax(
     x: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [G, R, C]`` -> fp8 ``[G, R, C]``, scales ``[G, R, 1]`` and the amax over each
@@ -164,11 +161,20 @@ def rowwise_fp8_with_column_amax(
     return cast_rows(x, column_amax=True)
 
 
-@rowwise_fp8_with_column_amax.register_fake
-def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rowwise_fp8_with_column_amax_fake(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups, n_rows, n_cols = x.shape
     return (
         torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
         torch.empty((groups, n_rows, 1), dtype=torch.float32, device=x.device),
         torch.empty((groups, n_cols), dtype=torch.float32, device=x.device),
     )
+
+
+rowwise_fp8 = compile_opaque("rowwise_fp8", _rowwise_fp8, _rowwise_fp8_fake)
+rowwise_fp8_with_column_amax = compile_opaque(
+    "rowwise_fp8_with_column_amax",
+    _rowwise_fp8_with_column_amax,
+    _rowwise_fp8_with_column_amax_fake,
+)

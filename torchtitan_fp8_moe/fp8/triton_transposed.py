@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .opaque import compile_opaque
 from .quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -85,16 +86,20 @@ def cast_transposed(
     return out, scales
 
 
-# A custom op, so torch.compile treats the launch as one opaque call.
-@torch.library.custom_op("torchtitan_fp8_moe::transposed_fp8", mutates_args=())
-def transposed_fp8(b: torch.Tensor, amax_over_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _transposed_fp8(
+    b: torch.Tensor, amax_over_n: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 ``b^T [G, N, K]`` (column-major) and scales ``[G, K]`` from ``b [G, K, N]`` and its
     amax over N."""
     return cast_transposed(b, amax_over_n)
 
 
-@transposed_fp8.register_fake
-def _(b: torch.Tensor, amax_over_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _transposed_fp8_fake(
+    b: torch.Tensor, amax_over_n: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     groups, n_k, n_n = b.shape
     data = b.new_empty((groups, n_k, n_n), dtype=FP8_DTYPE).transpose(-2, -1)
     return data, b.new_empty((groups, n_k), dtype=torch.float32)
+
+
+transposed_fp8 = compile_opaque("transposed_fp8", _transposed_fp8, _transposed_fp8_fake)
