@@ -32,6 +32,20 @@ class Float8MoE:
     (about one bf16 copy of the unsharded expert weights) until the step ends. Eager mode only:
     under torch.compile the weights are quantized inline."""
 
+    fp8_all_gather: bool = False
+    """Under FSDP, quantize each expert weight on its shard, before the all-gather, and gather the
+    fp8 data and scales of both orientations (forward, input gradient) instead of the bf16
+    values: each rank quantizes 1/FSDP-degree of the weight instead of all of it, for every
+    forward and backward, with bit-identical results (every scale spans one expert's row or
+    column, and FSDP splits whole experts). Costs about the bytes of the bf16 gather (1.5x
+    when the experts do not split evenly over the ranks, as FSDP2 then wants every all-gather
+    input in the padded shard's shape). The gathered weight holds no high-precision values:
+    any use of it other than the experts' `torch._grouped_mm` (x @ w^T) raises. Weights whose
+    shards cannot quantize alone (2D FeedForward weights, FSDP on dim 1 under expert
+    parallelism) gather bf16 as before; the converter's shard plan says which. With
+    cache_fp8_weights the shard's payloads are quantized once per optimizer step. Eager mode
+    only: refused with compile.enable."""
+
 
 @dataclass
 class JobConfig:

@@ -13,7 +13,7 @@ from torchtitan.tools.logging import logger
 
 from .config import SUPPORTED_RECIPES, Float8MoE
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
-from .sharding import ShardPlanRow, format_plan, plan_expert_weight
+from .sharding import ShardPlanRow, format_plan, plan_expert_weight, with_all_gather
 from .swap import (
     compact_fqns,
     describe_non_experts,
@@ -92,6 +92,13 @@ class Float8MoEConverter:
             raise ValueError("float8_moe: fqns is empty; name the expert modules to convert")
         self.fqns = list(config.fqns)
         self.cache_fp8_weights = config.cache_fp8_weights
+        self.fp8_all_gather = config.fp8_all_gather
+        if self.fp8_all_gather and job_config.compile.enable:
+            raise ValueError(
+                "float8_moe: fp8_all_gather = true with compile.enable is not supported: the "
+                "fp8-gathered expert weights do not enter compiled code. Set "
+                "`[float8_moe] fp8_all_gather = false` or `[compile] enable = false`."
+            )
         self.parallel_dims = parallel_dims
         self.linear_converter_filters = {
             name: filter_fqns(job_config)
@@ -103,6 +110,15 @@ class Float8MoEConverter:
             if parallel_dims.fsdp_enabled
             else None
         )
+        if self.fp8_all_gather and self.all_gather_dtype not in (None, torch.bfloat16):
+            # torchtitan's experts cast the weights to bf16, which needs the values.
+            raise ValueError(
+                "float8_moe: fp8_all_gather = true quantizes the shards in "
+                "training.mixed_precision_param, here "
+                f"{job_config.training.mixed_precision_param}, but torchtitan's experts multiply "
+                "the weights cast to bfloat16. Set training.mixed_precision_param = "
+                '"bfloat16" or `[float8_moe] fp8_all_gather = false`.'
+            )
         on_cuda = torch.cuda.is_available() if plan_target is None else plan_target == "cuda"
         if not on_cuda:
             _check_cpu_composition(job_config, parallel_dims)
@@ -146,7 +162,10 @@ class Float8MoEConverter:
             kind = "linear"
             if is_grouped_experts(module):
                 kind = "routed" if num_experts(module) > 1 else "grouped"
-            for name, param in swap_expert_weights(module, self.emulate, self.cache_fp8_weights):
+            swapped = swap_expert_weights(
+                module, self.emulate, self.cache_fp8_weights, self.fp8_all_gather
+            )
+            for name, param in swapped:
                 fqn = f"{module_fqn}.{name}"
                 row = self._plan(fqn, param, kind)
                 self._check_shape(fqn, param, row.local_shape)
@@ -154,7 +173,8 @@ class Float8MoEConverter:
         logger.info(
             f"float8_moe: converted {len(self.shard_plan)} expert weights of "
             f"{len(targets)} modules to fp8 rowwise, {self.path} path ({self.path_reason}), "
-            f"fp8 weight cache {'on' if self.cache_fp8_weights else 'off'}; FSDP shard plan:\n"
+            f"fp8 weight cache {'on' if self.cache_fp8_weights else 'off'}, "
+            f"fp8 all-gather {'on' if self.fp8_all_gather else 'off'}; FSDP shard plan:\n"
             + format_plan(self.shard_plan)
         )
 
@@ -211,9 +231,10 @@ class Float8MoEConverter:
 
     def _plan(self, fqn: str, param: torch.Tensor, kind: str) -> ShardPlanRow:
         itemsize = (self.all_gather_dtype or param.dtype).itemsize
-        return plan_expert_weight(
+        row = plan_expert_weight(
             fqn, tuple(param.shape), self.parallel_dims, kind, itemsize, self.path
         )
+        return with_all_gather(row, self.all_gather_dtype, self.fp8_all_gather)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         # The weights just changed: their fp8 copies are stale (and their memory is freed).

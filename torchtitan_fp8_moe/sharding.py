@@ -9,10 +9,12 @@ use these functions, so they cannot disagree.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
+
+from .fp8 import gathered
 
 if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims
@@ -23,17 +25,41 @@ def rows_per_rank(dim_size: int, world_size: int) -> int:
     return math.ceil(dim_size / world_size)
 
 
+def sharded_dim(logical_shape: torch.Size, local_shape: torch.Size) -> int:
+    """The dim FSDP split ``logical_shape`` on to give ``local_shape``: 0 unless a trailing dim
+    differs (at world size 1, or for a shard as large as the weight, 0)."""
+    for dim in range(1, len(logical_shape)):
+        if local_shape[dim] != logical_shape[dim]:
+            return dim
+    return 0
+
+
 def padded_shard_shape(
     logical_shape: torch.Size, local_shape: torch.Size, world_size: int
 ) -> torch.Size:
     """The all-gather input shape of a local shard: dim 0 padded to ``rows_per_rank``.
 
-    A local shard whose trailing dims differ from the logical ones is sharded on one of those
-    dims, evenly, and is returned unchanged.
+    A local shard sharded on a trailing dim is sharded evenly, and is returned unchanged.
     """
-    if tuple(local_shape[1:]) != tuple(logical_shape[1:]):
+    if sharded_dim(logical_shape, local_shape) != 0:
         return torch.Size(local_shape)
     return torch.Size((rows_per_rank(logical_shape[0], world_size), *logical_shape[1:]))
+
+
+def fp8_all_gather_fallback(shape: tuple[int, ...], shard_dim: int, fsdp_degree: int) -> str | None:
+    """Why a weight of ``shape`` sharded on ``shard_dim`` over ``fsdp_degree`` ranks cannot
+    all-gather fp8 payloads that its shard quantized alone (``fp8/gathered.py``), so gathers its
+    high-precision values; None when it can. Every fp8 scale runs over a whole row or column
+    of one expert, so only a split into whole experts keeps them on one rank."""
+    if fsdp_degree == 1:
+        # FSDP2 gathers nothing then, and takes a single all-gather input as the weight.
+        return "FSDP degree 1: nothing to gather"
+    if len(shape) != 3:
+        # nn.Linear [out, in] shards its out features: the input-gradient scales run over them.
+        return "2D weight: FSDP splits the out features that its input-gradient scales span"
+    if shard_dim != 0:
+        return f"FSDP shards dim {shard_dim}, inside the experts, which fp8 scales span"
+    return None
 
 
 @dataclass(frozen=True)
@@ -48,6 +74,8 @@ class ShardPlanRow:
     path: str  # which fp8 implementation runs this weight's matmuls
     model_parallel: str = "-"  # the TP / EP mesh dims splitting the weight, and on which dims
     local_shape: tuple[int, ...] = ()  # what each rank multiplies (FSDP gathers the rest)
+    # with fp8_all_gather, what FSDP all-gathers: "fp8" payloads, or the dtype and why
+    all_gather: str = "-"
 
 
 def plan_weight(
@@ -83,6 +111,25 @@ def plan_weight(
     )
 
 
+def with_all_gather(
+    row: ShardPlanRow, dtype: torch.dtype | None, fp8_all_gather: bool
+) -> ShardPlanRow:
+    """``row`` with what FSDP all-gathers for the weight with ``fp8_all_gather``: its fp8
+    payloads where the shard can quantize them, else its ``dtype`` values and why (None: no
+    FSDP, nothing gathered), and the padding bytes of that."""
+    if dtype is None or not fp8_all_gather:
+        return row
+    name = str(dtype).removeprefix("torch.")
+    reason = fp8_all_gather_fallback(row.shape, row.shard_dim, row.fsdp_degree)
+    if reason is not None:
+        return replace(row, all_gather=f"{name} ({reason})")
+    padding_rows = row.rows_per_rank * row.fsdp_degree - row.shape[0]
+    pad = gathered.uneven(row.shape[0], row.fsdp_degree)
+    return replace(
+        row, all_gather="fp8", padding_bytes=padding_rows * gathered.row_bytes(row.shape[1:], pad)
+    )
+
+
 def format_plan(rows: list[ShardPlanRow]) -> str:
     header = (
         "FQN",
@@ -95,6 +142,7 @@ def format_plan(rows: list[ShardPlanRow]) -> str:
         "fp8 path",
         "TP/EP",
         "local shape",
+        "all-gather",
     )
     cells = [header] + [
         (
@@ -108,10 +156,13 @@ def format_plan(rows: list[ShardPlanRow]) -> str:
             r.path,
             r.model_parallel,
             str(list(r.local_shape)),
+            r.all_gather,
         )
         for r in rows
     ]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    if all(r.all_gather == "-" for r in rows):  # fp8_all_gather off: the column says nothing
+        cells = [row[:-1] for row in cells]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
     ]

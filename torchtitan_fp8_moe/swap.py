@@ -113,7 +113,7 @@ def compact_fqns(fqns: list[str], max_fqns: int = 3) -> str:
 
 
 def swap_expert_weights(
-    module: nn.Module, emulate: bool, cache_fp8: bool = False
+    module: nn.Module, emulate: bool, cache_fp8: bool = False, fp8_all_gather: bool = False
 ) -> list[tuple[str, nn.Parameter]]:
     """Wrap the expert weights of an expert module in place; returns (name, new parameter) with
     names relative to ``module``: its 3D parameters for grouped experts (``w1``,
@@ -141,7 +141,8 @@ def swap_expert_weights(
         if isinstance(param, Float8MoEWeight):
             raise ValueError(f"float8_moe: {name} of {type(module).__name__} is already converted")
         new_param = nn.Parameter(
-            Float8MoEWeight(param.data, emulate, cache_fp8), requires_grad=param.requires_grad
+            Float8MoEWeight(param.data, emulate, cache_fp8, fp8_all_gather),
+            requires_grad=param.requires_grad,
         )
         setattr(owner, attr, new_param)
         swapped.append((name, new_param))

@@ -17,6 +17,10 @@ safe side:
 - everything else with a floating-point result (matmuls below ``__torch_function__``,
   convolutions, non-scalar reductions, ``cat``, ``index_select``, collectives) raises.
 ``high_precision()`` is the explicit, differentiable way to compute with the plain values.
+
+With ``fp8_all_gather`` FSDP2's hooks gather fp8 payloads quantized on the shard instead of the
+values (``fp8/gathered.py``), and the unsharded weight is a ``Float8GatheredWeight``: payloads
+only, usable as the right operand ``w^T`` of the fp8 matmuls and nothing else.
 """
 
 from collections.abc import Callable
@@ -28,9 +32,9 @@ import torch.utils._pytree as pytree
 from torch._prims_common import suggest_memory_format
 from torch.distributed.tensor import DTensor
 
-from .fp8 import fp8_batched_mm, fp8_grouped_mm, fp8_matmul
-from .fp8.weight_cache import CachedWeightQuantizer, WeightQuantCache
-from .sharding import padded_shard_shape
+from .fp8 import fp8_batched_mm, fp8_grouped_mm, fp8_matmul, gathered
+from .fp8.weight_cache import CachedWeightQuantizer, Quantized, WeightQuantCache, WeightQuantizer
+from .sharding import fp8_all_gather_fallback, padded_shard_shape, sharded_dim
 
 aten = torch.ops.aten
 
@@ -153,16 +157,58 @@ class _Unwrap(torch.autograd.Function):
         return grad
 
 
-class Float8MoEWeight(torch.Tensor):
-    _data: torch.Tensor
+class _Fp8Weight(torch.Tensor):
+    """What the converted weights share: the right operand of every matmul they reach is
+    multiplied in fp8 (``_MATMUL_HANDLERS``), with the operand ``_fp8_operand`` gives."""
+
     emulate: bool
+
+    def _fp8_operand(self) -> tuple[torch.Tensor, bool, WeightQuantizer | None]:
+        """(the matmul's right operand ``b``, whether it runs CUDA kernels, its weight
+        quantizer or None to quantize ``b``)."""
+        raise NotImplementedError
+
+    def _uses_cuda_kernels(self) -> bool:
+        if self.emulate:
+            return False
+        if fp8_kernels_available(self.device):
+            return True
+        raise RuntimeError(
+            f"float8_moe: a weight of shape {list(self.shape)} on {self.device} has no fp8 "
+            "kernels (they need CUDA sm89+). Set `[float8_moe] emulate = true` to run the "
+            "emulated fp8 path, or leave it out of `float8_moe.fqns`."
+        )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _MATMUL_HANDLERS.get(getattr(func, "__name__", None))
+        if handler is not None and any(isinstance(a, _Fp8Weight) for a in args[:2]):
+            a, weight = args[0], args[1]
+            if isinstance(a, _Fp8Weight) or not isinstance(weight, _Fp8Weight):
+                raise NotImplementedError(
+                    f"float8_moe: {func.__name__} with a Float8MoEWeight as its left operand "
+                    f"(shape {list(a.shape)}) is not supported; the weight must be the right "
+                    "operand"
+                )
+            return handler(a, weight, *args[2:], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class Float8MoEWeight(_Fp8Weight):
+    _data: torch.Tensor
     cache_fp8: bool
+    # Under FSDP2: all-gather fp8 payloads quantized on the shard where it can (config.py).
+    fp8_all_gather: bool
     # With cache_fp8: the fp8 copies shared by this weight and every view of it
     # (fp8/weight_cache.py says when they are valid).
     _cache: WeightQuantCache | None
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, emulate: bool, cache_fp8: bool = False):
+    def __new__(
+        cls, data: torch.Tensor, emulate: bool, cache_fp8: bool = False, fp8_all_gather=False
+    ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
@@ -175,10 +221,13 @@ class Float8MoEWeight(torch.Tensor):
             requires_grad=data.requires_grad,
         )
 
-    def __init__(self, data: torch.Tensor, emulate: bool, cache_fp8: bool = False):
+    def __init__(
+        self, data: torch.Tensor, emulate: bool, cache_fp8: bool = False, fp8_all_gather=False
+    ):
         self._data = data
         self.emulate = emulate
         self.cache_fp8 = cache_fp8
+        self.fp8_all_gather = fp8_all_gather
         self._cache = None
         if cache_fp8:
             self._cache = WeightQuantCache()
@@ -189,7 +238,7 @@ class Float8MoEWeight(torch.Tensor):
     ) -> "Float8MoEWeight":
         """A weight computed from this one: same settings, the given fp8 cache, which treats a
         write into ``data`` as a change of the values if ``watch``."""
-        derived = Float8MoEWeight(data, self.emulate)
+        derived = Float8MoEWeight(data, self.emulate, fp8_all_gather=self.fp8_all_gather)
         derived.cache_fp8, derived._cache = self.cache_fp8, cache
         if cache is not None and watch:
             cache.watch(data)
@@ -223,11 +272,11 @@ class Float8MoEWeight(torch.Tensor):
     def __repr__(self) -> str:
         return (
             f"Float8MoEWeight(emulate={self.emulate}, cache_fp8={self.cache_fp8}, "
-            f"data={self._data!r})"
+            f"fp8_all_gather={self.fp8_all_gather}, data={self._data!r})"
         )
 
     def __tensor_flatten__(self):
-        return ["_data"], (self.emulate, self.cache_fp8)
+        return ["_data"], (self.emulate, self.cache_fp8, self.fp8_all_gather)
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, flags, outer_size, outer_stride):
@@ -241,32 +290,8 @@ class Float8MoEWeight(torch.Tensor):
             return None
         return CachedWeightQuantizer(self._cache)
 
-    def _uses_cuda_kernels(self) -> bool:
-        if self.emulate:
-            return False
-        if fp8_kernels_available(self.device):
-            return True
-        raise RuntimeError(
-            f"float8_moe: a weight of shape {list(self.shape)} on {self.device} has no fp8 "
-            "kernels (they need CUDA sm89+). Set `[float8_moe] emulate = true` to run the "
-            "emulated fp8 path, or leave it out of `float8_moe.fqns`."
-        )
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _MATMUL_HANDLERS.get(getattr(func, "__name__", None))
-        if handler is not None and any(isinstance(a, cls) for a in args[:2]):
-            a, weight = args[0], args[1]
-            if isinstance(a, cls) or not isinstance(weight, cls):
-                raise NotImplementedError(
-                    f"float8_moe: {func.__name__} with a Float8MoEWeight as its left operand "
-                    f"(shape {list(a.shape)}) is not supported; the weight must be the right "
-                    "operand"
-                )
-            return handler(a, weight, *args[2:], **kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+    def _fp8_operand(self) -> tuple[torch.Tensor, bool, WeightQuantizer | None]:
+        return _Unwrap.apply(self), self._uses_cuda_kernels(), self._cached_quantizer()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -303,7 +328,9 @@ class Float8MoEWeight(torch.Tensor):
         if kind is _Kind.COPY:
             return _wrap_floats(out, source._copy)
         if kind is _Kind.NEW_WEIGHT:
-            return _wrap_floats(out, lambda t: cls(t, source.emulate, source.cache_fp8))
+            return _wrap_floats(
+                out, lambda t: cls(t, source.emulate, source.cache_fp8, source.fp8_all_gather)
+            )
         if kind is _Kind.DERIVED:
             # 0-dim results are statistics (a foreach norm), not matmul operands.
             return _wrap_floats(out, lambda t: cls(t, source.emulate), min_dim=1)
@@ -329,7 +356,19 @@ class Float8MoEWeight(torch.Tensor):
             padded = data.new_zeros(padded_shape)
             padded[: data.shape[0]].copy_(data)
             data = padded
+        if self._gathers_fp8(outer_size, mesh.size()):
+            # The padding rows quantize too: zeros with finite scales, narrowed off afterwards.
+            payloads = gathered.quantize_shard(
+                data, self._uses_cuda_kernels(), self._cached_quantizer()
+            )
+            return gathered.all_gather_inputs(payloads, tuple(outer_size), data.dtype, mesh.size())
         return (data,), tuple(outer_size)
+
+    def _gathers_fp8(self, outer_size: torch.Size, world_size: int) -> bool:
+        """Whether this shard all-gathers fp8 payloads (the rule the converter's plan logs)."""
+        shard_dim = sharded_dim(outer_size, self.shape)
+        fallback = fp8_all_gather_fallback(tuple(outer_size), shard_dim, world_size)
+        return self.fp8_all_gather and fallback is None
 
     def fsdp_post_all_gather(
         self,
@@ -339,23 +378,18 @@ class Float8MoEWeight(torch.Tensor):
         *,
         out: torch.Tensor | None = None,
     ):
-        (gathered,) = all_gather_outputs
+        if isinstance(metadata, gathered.GatherLayout):
+            return self._post_fp8_all_gather(all_gather_outputs, metadata, out)
+        (all_gathered,) = all_gather_outputs
         logical_shape = metadata
         # Dim-0 sharding gathers world * rows_per_rank rows: narrow off the padding. Other shard
         # dims arrive in the logical layout, where the narrow is a no-op.
-        data = gathered.view(-1, *logical_shape[1:]).narrow(0, 0, logical_shape[0])
+        data = all_gathered.view(-1, *logical_shape[1:]).narrow(0, 0, logical_shape[0])
         if out is not None:
             # Later steps: FSDP refills the same storage the unsharded weight already views.
             # (Under tensor parallelism the unsharded weight is a DTensor around the wrapper.)
             unsharded = out.to_local() if isinstance(out, DTensor) else out
-            if (
-                unsharded._data.untyped_storage().data_ptr()
-                != gathered.untyped_storage().data_ptr()
-            ):
-                raise AssertionError(
-                    f"float8_moe: unsharded weight {list(logical_shape)} does not view the "
-                    "all-gather output; FSDP's buffer reuse changed"
-                )
+            _check_views(unsharded._data, all_gathered, logical_shape)
             # The shard may be a new tensor since the last gather (a checkpoint load with
             # assign=True, to_empty): follow its cache.
             unsharded._cache = self._cache
@@ -363,7 +397,139 @@ class Float8MoEWeight(torch.Tensor):
         # FSDP2 calls both hooks on the local shard (self). The unsharded weight holds the
         # shards' values, so it shares the shard's fp8 cache: a write into the shard (optimizer
         # step, checkpoint load) invalidates it, the all-gather's refills of the buffer do not.
-        return self._derived(data, self._cache, watch=False), (gathered,)
+        return self._derived(data, self._cache, watch=False), (all_gathered,)
+
+    def _post_fp8_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        layout: gathered.GatherLayout,
+        out: torch.Tensor | None,
+    ):
+        if out is not None:
+            # Later gathers refill the buffers that the unsharded weight's payloads view.
+            unsharded = out.to_local() if isinstance(out, DTensor) else out
+            forward_data, input_grad_data, scales = all_gather_outputs
+            _check_views(unsharded._forward[0], forward_data, layout.logical_shape)
+            _check_views(unsharded._input_grad[0], input_grad_data, layout.logical_shape)
+            _check_views(unsharded._forward[1], scales, layout.logical_shape)
+            return
+        payloads = gathered.unpack(all_gather_outputs, layout)
+        unsharded = Float8GatheredWeight(
+            payloads,
+            layout.logical_shape,
+            _contiguous_strides(layout.logical_shape),
+            layout.dtype,
+            self.emulate,
+            transposed=False,
+        )
+        return unsharded, all_gather_outputs
+
+
+class Float8GatheredWeight(_Fp8Weight):
+    """The unsharded expert weight ``w [E, out, in]`` that FSDP2 all-gathers with
+    ``fp8_all_gather``: the fp8 payloads of both orientations of the matmul operand ``w^T``
+    (``fp8/gathered.py``), no high-precision values. It is the right operand ``w^T`` of fp8
+    matmuls (``torch._grouped_mm(x, w.transpose(-2, -1), offs)``, 3D x 3D, bmm) and nothing
+    else: its views are itself (detach, FSDP's as_strided, ``to_local``'s view_as) and that
+    transpose; any other op raises rather than compute without the values."""
+
+    _forward: Quantized  # fp8 data [E, in, out] and scales [E, 1, out] of w^T, as gathered
+    _input_grad: Quantized  # fp8 data [E, out, in] and scales [E, 1, in] of (w^T)^T
+    transposed: bool  # this tensor is w^T, the matmul operand the payloads are of
+
+    @staticmethod
+    def __new__(cls, payloads, size, stride, dtype, emulate, transposed):
+        device = payloads[gathered.FORWARD][0].device
+        return torch.Tensor._make_wrapper_subclass(
+            cls, size, strides=stride, dtype=dtype, device=device, requires_grad=False
+        )
+
+    def __init__(self, payloads, size, stride, dtype, emulate, transposed):
+        self._forward = payloads[gathered.FORWARD]
+        self._input_grad = payloads[gathered.INPUT_GRAD]
+        self.emulate = emulate
+        self.transposed = transposed
+
+    def _payloads(self) -> dict[str, Quantized]:
+        return {gathered.FORWARD: self._forward, gathered.INPUT_GRAD: self._input_grad}
+
+    def _unsupported(self, use: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"float8_moe: {use} on an expert weight of shape {list(self.shape)} all-gathered as "
+            "fp8 payloads (`[float8_moe] fp8_all_gather`), which holds no high-precision "
+            "values: only torch._grouped_mm / bmm with w.transpose(-2, -1) as the right operand "
+            "runs on it. Set `[float8_moe] fp8_all_gather = false` for this use."
+        )
+
+    def _fp8_operand(self) -> tuple[torch.Tensor, bool, WeightQuantizer | None]:
+        if not self.transposed:
+            raise self._unsupported("a matmul with w itself (not w.transpose(-2, -1))")
+        quantizer = gathered.GatheredWeightQuantizer(self._payloads(), list(self.shape))
+        return self, self._uses_cuda_kernels(), quantizer
+
+    def high_precision(self) -> torch.Tensor:
+        raise self._unsupported("high_precision()")
+
+    def __repr__(self) -> str:
+        return (
+            f"Float8GatheredWeight(shape={list(self.shape)}, dtype={self.dtype}, "
+            f"transposed={self.transposed}, emulate={self.emulate})"
+        )
+
+    def _view(self, like: torch.Tensor, transposed: bool) -> "Float8GatheredWeight":
+        return Float8GatheredWeight(
+            self._payloads(), like.shape, like.stride(), self.dtype, self.emulate, transposed
+        )
+
+    def _as_view(self, out: torch.Tensor) -> "Float8GatheredWeight | None":
+        """This weight or its transpose, as which a view op's (meta) result ``out`` lies over
+        the same elements; None for any other view."""
+        if out.storage_offset() != 0:
+            return None
+        layout = (tuple(out.shape), out.stride())
+        if layout == (tuple(self.shape), self.stride()):
+            return self._view(out, self.transposed)
+        if layout == (_swap_last_two(self.shape), _swap_last_two(self.stride())):
+            return self._view(out, not self.transposed)
+        return None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        kind = _dispatch_kind(func)
+        if kind in (_Kind.UNRELATED_VALUES, _Kind.NEW_WEIGHT):
+            # zeros_like (FSDP's zero gradient), empty_like: the shape only, no values.
+            shape_only = torch.empty((), dtype=source.dtype, device=source.device)
+            plain = pytree.tree_map_only(cls, lambda t: shape_only.expand(t.shape), (args, kwargs))
+            return func(*plain[0], **plain[1])
+        if kind is _Kind.VIEW:
+            meta_args, meta_kwargs = pytree.tree_map_only(cls, _meta_like, (args, kwargs))
+            out = func(*meta_args, **meta_kwargs)
+            view = source._as_view(out) if isinstance(out, torch.Tensor) else None
+            if view is not None:
+                return view
+        raise source._unsupported(str(func))
+
+
+def _swap_last_two(values) -> tuple:
+    return (*values[:-2], values[-1], values[-2])
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _check_views(view: torch.Tensor, output: torch.Tensor, logical_shape) -> None:
+    if view.untyped_storage().data_ptr() != output.untyped_storage().data_ptr():
+        raise AssertionError(
+            f"float8_moe: unsharded weight {list(logical_shape)} does not view the all-gather "
+            "output; FSDP's buffer reuse changed"
+        )
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
 
 
 def _wrap_floats(out: Any, wrap: Callable, min_dim: int = 0) -> Any:
@@ -380,9 +546,7 @@ def _grouped_mm(a, weight, offs=None, bias=None, out_dtype=None):
         raise NotImplementedError(
             "float8_moe: torch._grouped_mm with bias or out_dtype is not supported"
         )
-    cuda = weight._uses_cuda_kernels()
-    b = _Unwrap.apply(weight)
-    cached = weight._cached_quantizer()
+    b, cuda, cached = weight._fp8_operand()
     if a.ndim == 2 and b.ndim == 3 and offs is not None:
         return fp8_grouped_mm(a, b, offs, cuda, cached)
     if a.ndim == 3 and b.ndim == 3 and offs is None:
@@ -404,9 +568,8 @@ def _unsupported_form(name: str, a: torch.Tensor, weight: torch.Tensor, supporte
 def _linear(x, weight, bias=None):
     if weight.ndim != 2:
         raise _unsupported_form("F.linear", x, weight, "a 2D weight [N, K]")
-    out = fp8_matmul(
-        x, _Unwrap.apply(weight).t(), weight._uses_cuda_kernels(), weight._cached_quantizer()
-    )
+    b, cuda, cached = weight._fp8_operand()
+    out = fp8_matmul(x, b.t(), cuda, cached)
     return out if bias is None else out + bias
 
 
@@ -415,9 +578,7 @@ def _batched(a, weight) -> bool:
 
 
 def _fp8_matmul_of(a, weight):
-    cuda = weight._uses_cuda_kernels()
-    b = _Unwrap.apply(weight)
-    cached = weight._cached_quantizer()
+    b, cuda, cached = weight._fp8_operand()
     if b.ndim == 2:
         return fp8_matmul(a, b, cuda, cached)
     return fp8_batched_mm(a, b, cuda, cached)

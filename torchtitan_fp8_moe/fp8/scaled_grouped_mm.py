@@ -16,10 +16,11 @@ from functools import partial
 import torch
 
 from . import gemm, torch_quantize
-from .weight_cache import CachedWeightQuantizer
+from .weight_cache import WeightQuantizer
 
 
-def _quantizer(use_cuda_kernels: bool):
+def quantizer_for(use_cuda_kernels: bool):
+    """The module holding the quantization steps of the fp8 GEMM on this path."""
     if use_cuda_kernels:
         from . import triton_quantize  # torchao's Triton kernels: CUDA only
 
@@ -27,18 +28,19 @@ def _quantizer(use_cuda_kernels: bool):
     return torch_quantize
 
 
-def _quantize_weight(b, orientation: str, quantize, cached: CachedWeightQuantizer | None):
+def quantize_weight(b, orientation: str, quantize, cached: WeightQuantizer | None):
+    """``quantize(b)``, or b's fp8 copy of ``orientation`` from ``cached``."""
     return quantize(b) if cached is None else cached(b, orientation, quantize)
 
 
 class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, offs, use_cuda_kernels: bool, cached: CachedWeightQuantizer | None):
-        quantize = _quantizer(use_cuda_kernels)
+    def forward(ctx, a, b, offs, use_cuda_kernels: bool, cached: WeightQuantizer | None):
+        quantize = quantizer_for(use_cuda_kernels)
         a_fp8, a_scale = quantize.rows(a)
         # The forward cast also gives the amax over N, so the backward's cast of b^T can scale
         # without reading b for it.
-        b_fp8, b_scale, b_amax_over_n = _quantize_weight(b, "forward", quantize.weight, cached)
+        b_fp8, b_scale, b_amax_over_n = quantize_weight(b, "forward", quantize.weight, cached)
         ctx.save_for_backward(a, b, offs, b_amax_over_n)
         ctx.use_cuda_kernels, ctx.cached = use_cuda_kernels, cached
         return gemm.grouped_mm(a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, use_cuda_kernels)
@@ -47,12 +49,12 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     def backward(ctx, grad_out):
         a, b, offs, b_amax_over_n = ctx.saved_tensors
         cuda = ctx.use_cuda_kernels
-        quantize = _quantizer(cuda)
+        quantize = quantizer_for(cuda)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_fp8, grad_scale = quantize.rows(grad_out)
             transposed = partial(quantize.weight_transposed, amax_over_n=b_amax_over_n)
-            b_t_fp8, b_t_scale = _quantize_weight(b, "input_grad", transposed, ctx.cached)
+            b_t_fp8, b_t_scale = quantize_weight(b, "input_grad", transposed, ctx.cached)
             grad_a = gemm.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, a.dtype, cuda)
         if ctx.needs_input_grad[1]:
             a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(a, grad_out, offs)
@@ -67,10 +69,11 @@ def fp8_grouped_mm(
     b: torch.Tensor,
     offs: torch.Tensor,
     use_cuda_kernels: bool,
-    cached: CachedWeightQuantizer | None = None,
+    cached: WeightQuantizer | None = None,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)`` in fp8 rowwise. ``cached``
-    reuses b's fp8 copies while b is unchanged (``weight_cache.py``)."""
+    gives b's fp8 copies instead of quantizing b: from a cache while b is unchanged
+    (``weight_cache.py``), or the payloads an fp8 all-gather brought (``gathered.py``)."""
     return _Fp8RowwiseGroupedMM.apply(a, b, offs, use_cuda_kernels, cached)
 
 
@@ -78,7 +81,7 @@ def fp8_batched_mm(
     a: torch.Tensor,
     b: torch.Tensor,
     use_cuda_kernels: bool,
-    cached: CachedWeightQuantizer | None = None,
+    cached: WeightQuantizer | None = None,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8 rowwise."""
     groups, tokens, _ = a.shape
@@ -91,7 +94,7 @@ def fp8_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
     use_cuda_kernels: bool,
-    cached: CachedWeightQuantizer | None = None,
+    cached: WeightQuantizer | None = None,
 ) -> torch.Tensor:
     """``a [..., K] @ b [K, N]`` in fp8 rowwise (a linear layer's ``x @ W^T`` has b = W^T)."""
     a_2d = a.reshape(-1, a.shape[-1])

@@ -35,6 +35,9 @@ import torch
 _live_caches: "weakref.WeakSet[WeightQuantCache]" = weakref.WeakSet()
 
 Quantized = tuple[torch.Tensor, ...]  # fp8 data, scales (, the amax of the other orientation)
+# What the fp8 GEMM calls for its weight's fp8 copy: (b, orientation, quantize) -> quantize(b)
+# or an equal copy it already holds.
+WeightQuantizer = Callable[[torch.Tensor, str, Callable[[torch.Tensor], Quantized]], Quantized]
 
 
 class WeightQuantCache:
