@@ -70,8 +70,8 @@ ROWS = [
         "torch.compile with TP 2 x FSDP 2 or EP 2 x FSDP 4; HSDP (2 x 2) with TP 2",
         WORKS,
         "trainer losses within 0.02 of bf16 with the same parallelism; the TP x compile fp8 run "
-        "again after bf16 filled the cache directory trains alike (torch's compile caches are "
-        "off under TP: pytorch/pytorch#176532)",
+        "starts in a new process from the compile caches a compiled bf16 run wrote, and tracks "
+        "it (torch's compile caches are off under TP: pytorch/pytorch#176532)",
         ["test_train_parallel.py::test_parallelism_trains_tracking_bf16"],
     ),
     (
@@ -126,6 +126,26 @@ ROWS = [
         WORKS,
         "2 micro-batches a step in every FSDP case",
         ["test_fsdp_uneven.py::test_uneven_fsdp_matches_unsharded"],
+    ),
+    (
+        "`fp8_all_gather` (shards quantized before FSDP's all-gather), with FSDP, uneven "
+        "dim 0, `cache_fp8_weights`, resharding on or off, activation checkpointing",
+        WORKS,
+        "bit-identical to the bf16 gather at world 2 and 3 (emulated) and on an H200 (Triton "
+        "kernels, hooks driven by hand); trainer losses equal; 2D FeedForward weights and FSDP "
+        "on dim 1 gather bf16, as the plan logs",
+        [
+            "test_fp8_all_gather.py::test_fp8_all_gather_matches_bf16",
+            "test_fp8_all_gather.py::test_shard_plan_logs_fp8_and_bf16_fallbacks",
+            "test_train.py::test_fp8_all_gather_trains_exactly_like_the_bf16_gather",
+            "test_cuda.py::test_fp8_all_gather_on_cuda_equals_the_unsharded_weight",
+        ],
+    ),
+    (
+        "`fp8_all_gather` with torch.compile, or with `mixed_precision_param` other than bf16",
+        REFUSED,
+        "the fp8-gathered weights do not enter compiled code; the error names both options",
+        ["test_fp8_all_gather.py::test_fp8_all_gather_refuses_what_it_cannot_serve"],
     ),
     (
         "`cache_fp8_weights` (fp8 weight cache)",

@@ -8,16 +8,27 @@ import pytest
 
 TESTS_DIR = Path(__file__).parent
 _launch_cache: dict[tuple[str, int], list[dict]] = {}
+# Suites that share one launch at a world size (each process start costs seconds on 2 cores).
+# The torchao seed suite goes last: it leaves the ranks out of step by design.
+SHARED_LAUNCHES = {
+    2: "fsdp+cache_writes+fp8_all_gather",
+    3: "fsdp+llama4+fp8_all_gather",
+    4: "fsdp+parallel",
+    8: "fsdp+torchao_seed",
+}
 
 
 def launch_suite(
-    suite: str, world_size: int, tmp_root: Path, timeout_s: int = 120, env: dict | None = None
+    suite: str, world_size: int, tmp_root: Path, timeout_s: int = 600, env: dict | None = None
 ) -> list[dict]:
-    """Run ``tests/dist_worker.py SUITE`` under torchrun once per (suite, world size) and
-    return every rank's results (cached for the session). ``env``: extra variables."""
-    key = (suite, world_size)
+    """Run ``tests/dist_worker.py SUITE`` under torchrun once per (suite, world size), together
+    with the suites it shares a launch with, and return every rank's results for SUITE (cached
+    for the session). ``env``: extra variables."""
+    shared = SHARED_LAUNCHES.get(world_size, "")
+    launched = shared if suite in shared.split("+") else suite
+    key = (launched, world_size)
     if key not in _launch_cache:
-        out_dir = tmp_root / f"{suite}-w{world_size}"
+        out_dir = tmp_root / f"{launched}-w{world_size}"
         out_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, DIST_TIMEOUT_S=str(timeout_s), OMP_NUM_THREADS="1", **(env or {}))
         cmd = [
@@ -27,7 +38,7 @@ def launch_suite(
             f"--nproc_per_node={world_size}",
             "--standalone",
             str(TESTS_DIR / "dist_worker.py"),
-            suite,
+            launched,
             str(out_dir),
         ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s * 3)
@@ -36,15 +47,38 @@ def launch_suite(
             path = out_dir / f"rank{rank}.json"
             if not path.exists():
                 pytest.fail(
-                    f"rank {rank} of {suite} at world size {world_size} wrote no results:\n"
+                    f"rank {rank} of {launched} at world size {world_size} wrote no results:\n"
                     f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
                 )
             results.append(json.loads(path.read_text()))
         _launch_cache[key] = results
-    return _launch_cache[key]
+    return [
+        ranks.get(suite, {"error": f"suite {suite} did not run"}) for ranks in _launch_cache[key]
+    ]
 
 
 @pytest.fixture(scope="session")
 def dist_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     return lambda suite, world_size, **kw: launch_suite(suite, world_size, root, **kw)
+
+
+_trainer_runs_wanted: set[str] = set()
+
+
+def pytest_collection_finish(session):
+    """The trainer runs the selected tests read (``trainer_runs.needs``): only these launch."""
+    for item in session.items:
+        for marker in item.iter_markers("trainer_runs"):
+            _trainer_runs_wanted.update(marker.args)
+
+
+@pytest.fixture(scope="session")
+def trainer_log(tmp_path_factory):
+    """``trainer_log(NAME)``: the log of trainer run NAME (``trainer_runs.py``), launched on
+    first use together with every other selected run of its world size."""
+    from trainer_runs import BatchLauncher
+
+    launcher = BatchLauncher(tmp_path_factory.mktemp("trainer"))
+    launcher.want(_trainer_runs_wanted)
+    return launcher.get

@@ -11,6 +11,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import get_train_spec
+from trainer_runs import losses, needs, trainer_run
 
 from torchtitan_fp8_moe import Float8MoEWeight
 from torchtitan_fp8_moe.cpu import enable_moe_ops
@@ -208,44 +209,63 @@ def test_gpt_oss_experts_sqnr_vs_float32(grouped):
 # ---- trainer runs (slow) -------------------------------------------------------------------------
 
 
-# One config per model: (config, weights converted, overrides on top of test_train's SMALL).
-# Steps and sizes keep each run to about a minute on 2 CPU cores; Qwen3's 64 experts x 8 layers
-# are the slowest to emulate, so it runs 2 steps of 32 tokens.
+# One config per model: (config, weights converted, overrides on top of trainer_runs' SMALL).
+# Qwen3's 64 experts are the slowest to emulate: 2 of its 8 layers (the trainer batch's test
+# flavor, tests/trainer_batch.py), 2 steps of 32 tokens.
 MODEL_RUNS = {
     # 5 MoE layers x (3 routed grouped + 3 shared FeedForward weights)
     "deepseek_v3": ("train_configs/deepseek_v3_debug.toml", 30, ["--training.steps=3"]),
-    # 8 MoE layers x 3 routed weights, no shared expert
+    # 2 MoE layers x 3 routed weights, no shared expert
     "qwen3_moe": (
         "train_configs/qwen3_moe_debug.toml",
-        24,
-        ["--training.steps=2", "--training.seq_len=32", "--training.local_batch_size=1"],
+        6,
+        [
+            "--model.flavor=debugmodel_moe_2layers",
+            "--training.steps=2",
+            "--training.seq_len=32",
+            "--training.local_batch_size=1",
+        ],
     ),
     # 4 MoE layers x mlp1_weight/mlp2_weight
     "gpt_oss": ("train_configs/gpt_oss_debug.toml", 8, ["--training.steps=3"]),
 }
-# fp8 vs bf16 loss, per step, measured on these runs: DeepSeek-V3 0.0001 / 0.0010 / 0.0067 (the
-# gap grows as the weights drift apart), Qwen3 0.0006 / 0.0022. The bar is 4.5x the largest and
-# still a twentieth of the loss's first-step drop (0.4-0.8), which a wrong fp8 GEMM would swamp.
+# fp8 vs bf16 loss, per step, measured on these runs (CPU, 2026-12-01): DeepSeek-V3 0.0003 /
+# 0.0005 / 0.0049 (the gap grows as the weights drift apart), Qwen3 (2 layers) 0.00005 / 0.0007.
+# The bar is 6x the largest and still a seventh of the loss's first-step drop (0.23-0.76), which
+# a wrong fp8 GEMM would swamp.
 LOSS_GAP = 0.03
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", MODEL_RUNS)
-def test_debug_model_trains_in_fp8_tracking_bf16(model, tmp_path):
-    from test_train import bf16_config, losses, run_train
-
-    config, converted, overrides = MODEL_RUNS[model]
-    if model == "gpt_oss" and not torch.cuda.is_available():
-        pytest.skip(
-            "GPT-OSS attention is FlexAttention only, whose backward torch does not "
-            "implement on CPU"
-        )
-    fp8_log = run_train(2, config, *overrides, f"--job.dump_folder={tmp_path / 'fp8'}")
-    bf16_log = run_train(
-        2, bf16_config(tmp_path, config), *overrides, f"--job.dump_folder={tmp_path / 'bf16'}"
+def _declare_model_runs(model: str) -> tuple[str, str]:
+    config, _, overrides = MODEL_RUNS[model]
+    return (
+        trainer_run(f"{model}_fp8", 2, config, *overrides),
+        trainer_run(f"{model}_bf16", 2, config, *overrides, bf16=True),
     )
+
+
+# GPT-OSS attention is FlexAttention only, whose backward torch does not implement on CPU.
+MODEL_RUN_NAMES = {
+    m: _declare_model_runs(m) for m in MODEL_RUNS if m != "gpt_oss" or torch.cuda.is_available()
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(m, marks=needs(*MODEL_RUN_NAMES[m]))
+        if m in MODEL_RUN_NAMES
+        else pytest.param(m, marks=pytest.mark.skip(reason="FlexAttention has no CPU backward"))
+        for m in MODEL_RUNS
+    ],
+)
+def test_debug_model_trains_in_fp8_tracking_bf16(model, trainer_log):
+    _, converted, _ = MODEL_RUNS[model]
+    fp8_name, bf16_name = MODEL_RUN_NAMES[model]
+    fp8_log = trainer_log(fp8_name).text
     assert f"converted {converted} expert weights" in fp8_log
-    fp8, bf16 = losses(fp8_log), losses(bf16_log)
+    fp8, bf16 = losses(fp8_log), trainer_log(bf16_name).losses()
     assert sorted(fp8) == sorted(bf16) and len(fp8) >= 2
     gaps = [abs(fp8[s] - bf16[s]) for s in sorted(fp8)]
     assert gaps[0] > 0, "the first step's loss equals bf16's: fp8 did not run"

@@ -18,7 +18,7 @@ LOSS_GAP, EXPERT_GRAD_DB = 5e-4, 25.0
 
 @pytest.mark.parametrize("case", [c[0] for c in PARALLEL_CASES])
 def test_parallelism_matches_unsharded_converted_model(dist_results, case):
-    ranks = dist_results("parallel", 4, timeout_s=600)
+    ranks = dist_results("parallel", 4)
     for rank, results in enumerate(ranks):
         assert "error" not in results, f"rank {rank}: {results.get('traceback')}"
         result = results.get(case)
@@ -35,7 +35,7 @@ def test_parallelism_matches_unsharded_converted_model(dist_results, case):
 def test_shard_plan_matches_the_real_sharding(dist_results, case):
     """The converter's logged plan (what each rank multiplies, FSDP's shard dim) is what
     torchtitan's parallelization really did, the dim-1 FSDP sharding under EP included."""
-    result = dist_results("parallel", 4, timeout_s=600)[0][case]
+    result = dist_results("parallel", 4)[0][case]
     for fqn, planned in result["plan"].items():
         actual = result["actual"][fqn]
         assert planned["local_shape"] == actual["local_shape"], (fqn, planned, actual)

@@ -4,14 +4,15 @@ FSDP tests really exercise uneven sharding."""
 
 import pytest
 
-pytestmark = pytest.mark.slow  # waits for a gloo timeout
+pytestmark = pytest.mark.slow  # 8 ranks; waits for a gloo timeout
 
 SEED_MESSAGE = "fsdp_pre_all_gather must return all-gather inputs with the padded sharded size"
 
 
 def test_torchao_wrapper_fails_on_uneven_shard(dist_results):
-    # Rank 0 holds the whole weight and waits in the all-gather until the gloo timeout.
-    ranks = dist_results("torchao_seed", 8, timeout_s=20)
+    # Rank 0 holds the whole weight and waits in the all-gather until the gloo timeout
+    # (dist_worker's SEED_BUG_TIMEOUT_S).
+    ranks = dist_results("torchao_seed", 8)
     errors = [r.get("error", "") for r in ranks]
     if not any(errors):
         pytest.xfail("torchao's wrapper trained on an uneven shard: fixed upstream")
