@@ -162,6 +162,7 @@ def torchrun_argv(tmp_path):
     return argv
 
 
+@pytest.mark.slow  # each command line test starts torchrun: about 3.5 s
 def test_without_nnodes_the_command_line_is_the_single_node_one(torchrun_argv):
     train = [
         "-m",
@@ -186,6 +187,7 @@ def test_without_nnodes_the_command_line_is_the_single_node_one(torchrun_argv):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("node_rank, is_host", [("0", "1"), ("1", "0")])
 def test_with_nnodes_the_command_line_joins_the_rendezvous(torchrun_argv, node_rank, is_host):
     """Node 0, and only node 0, hosts the rendezvous store; the id defaults to SLURM's job id."""

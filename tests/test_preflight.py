@@ -41,6 +41,7 @@ def _rows(pattern: str, out: str) -> list[str]:
     return re.findall(pattern, out, flags=re.MULTILINE)
 
 
+@pytest.mark.slow  # the command line in a process of its own: about 12 s of imports
 def test_seed_config_at_8_ranks_prints_the_padding_plan():
     """The seed bug's layout: ranks 1-7 hold only padding of every [1, ...] shared-expert
     weight; the 8 routed experts split one per rank."""
@@ -107,6 +108,7 @@ def test_scout_at_64_ranks_plans_in_seconds(capsys):
     assert seconds < 15, seconds  # under 1 s on an idle laptop core
 
 
+@pytest.mark.slow  # the command line in a process of its own: about 12 s of imports
 def test_unmatched_fqns_exit_with_the_converters_message():
     proc = _preflight_process("--config", SEED_CONFIG, "--ngpu", "8", "--float8_moe.fqns=router")
     assert proc.returncode == 2
