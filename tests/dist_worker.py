@@ -137,18 +137,25 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
     return result
 
 
-def suite_fsdp(mesh) -> dict:
+def _error(e: Exception) -> dict:
+    return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
+def _run_cases(cases: list[dict], run_case, mesh) -> dict:
+    """``run_case(case, mesh)`` for each case, by name; a case that raises ends the suite (the
+    other ranks are then out of step)."""
     results = {}
-    for case in fsdp_cases(dist.get_world_size()):
+    for case in cases:
         try:
-            results[case["name"]] = _run_fsdp_case(case, mesh)
-        except Exception as e:  # noqa: BLE001 - the other ranks are now out of step: stop
-            results[case["name"]] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(),
-            }
+            results[case["name"]] = run_case(case, mesh)
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            results[case["name"]] = _error(e)
             break
     return results
+
+
+def suite_fsdp(mesh) -> dict:
+    return _run_cases(fsdp_cases(dist.get_world_size()), _run_fsdp_case, mesh)
 
 
 def suite_torchao_seed(mesh) -> dict:
@@ -462,10 +469,7 @@ def suite_parallel(mesh) -> dict:
                 references[key]["bf16_loss"] = bf16["loss"]
             results[name] = _run_parallel_case(case, references[key], job_config, tokens)
         except Exception as e:  # noqa: BLE001 - the other ranks are now out of step: stop
-            results[name] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(),
-            }
+            results[name] = _error(e)
             break
     return results
 
@@ -728,17 +732,7 @@ def _run_fp8_all_gather_case(case: dict, mesh) -> dict:
 
 
 def suite_fp8_all_gather(mesh) -> dict:
-    results = {}
-    for case in fp8_all_gather_cases(dist.get_world_size()):
-        try:
-            results[case["name"]] = _run_fp8_all_gather_case(case, mesh)
-        except Exception as e:  # noqa: BLE001 - the other ranks are now out of step: stop
-            results[case["name"]] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(),
-            }
-            break
-    return results
+    return _run_cases(fp8_all_gather_cases(dist.get_world_size()), _run_fp8_all_gather_case, mesh)
 
 
 SUITES = {
@@ -763,10 +757,7 @@ def main() -> None:
         try:
             results[suite] = SUITES[suite](mesh)
         except Exception as e:  # noqa: BLE001 - the test reads the message
-            results[suite] = {
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(),
-            }
+            results[suite] = _error(e)
             break
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
