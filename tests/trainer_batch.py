@@ -44,8 +44,9 @@ def _skip_final_sleep() -> None:
 
 
 # Smaller variants of torchtitan's debug flavors, for runs whose cost is the model's size.
-# qwen3 debugmodel_moe is 8 layers of 64 experts (302M expert parameters): emulated fp8 took
-# 30-50 s a step on 2 CPU cores; 2 layers keep its experts, routing and modules.
+# qwen3 debugmodel_moe is 8 layers of 64 experts (302M expert parameters): an emulated fp8 step
+# takes about 24 s on 2 CPU cores (docs/benchmarks/cpu_step.md); 2 layers keep its experts,
+# routing and modules.
 TEST_FLAVORS = {("qwen3", "debugmodel_moe_2layers"): ("debugmodel_moe", {"n_layers": 2})}
 
 
