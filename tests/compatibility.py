@@ -71,7 +71,9 @@ ROWS = [
         WORKS,
         "trainer losses within 0.02 of bf16 with the same parallelism; the TP x compile fp8 run "
         "starts in a new process from the compile caches a compiled bf16 run wrote, and tracks "
-        "it (torch's compile caches are off under TP: pytorch/pytorch#176532)",
+        "it (torch's compile caches are off under TP: pytorch/pytorch#176532); the EP run is "
+        "traced whole by dynamo and AOTAutograd (`compile.backend = aot_eager`), not lowered by "
+        "inductor on CPU",
         ["test_train_parallel.py::test_parallelism_trains_tracking_bf16"],
     ),
     (

@@ -332,6 +332,10 @@ def test_fp8_all_gather_trains_exactly_like_the_bf16_gather(trainer_log):
     assert curve == trainer_log(BF16_GATHER).losses()
 
 
+# The 4-rank runs train 2 of the debug model's 6 layers, one dense and one MoE
+# (tests/trainer_batch.py): 4-5 s a run instead of 11-16 s.
+TWO_LAYERS = "--model.flavor=debugmodel_2layers"
+
 # HSDP, 2 replicas x 2 shards on 4 ranks.
 HSDP = trainer_run(
     "hsdp_2x2",
@@ -340,6 +344,7 @@ HSDP = trainer_run(
     "--training.steps=3",
     "--parallelism.data_parallel_replicate_degree=2",
     "--parallelism.data_parallel_shard_degree=2",
+    TWO_LAYERS,
 )
 
 
@@ -355,7 +360,7 @@ def test_hsdp_replicate_x_shard(trainer_log):
 
 
 # PP=2 x FSDP=2 on 4 ranks (1F1B, 2 micro-batches); the last stage (rank 3) logs the loss.
-PP = ["--training.steps=2", "--parallelism.pipeline_parallel_degree=2"]
+PP = ["--training.steps=2", "--parallelism.pipeline_parallel_degree=2", TWO_LAYERS]
 PP_FP8 = trainer_run("pp2_fsdp2_fp8", 4, DEBUG_CONFIG, *PP, log_rank=3)
 PP_BF16 = trainer_run("pp2_fsdp2_bf16", 4, DEBUG_CONFIG, *PP, log_rank=3, bf16=True)
 

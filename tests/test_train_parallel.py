@@ -17,6 +17,9 @@ ETP2 = "--parallelism.expert_tensor_parallel_degree=2"
 # Selective op AC with EP fails on CPU in torchtitan itself (the converter refuses it there).
 FULL_AC = "--activation_checkpoint.mode=full"
 COMPILE = "--compile.enable"
+# Every case trains 2 of the debug model's 6 layers (one dense, one MoE; tests/trainer_batch.py):
+# on 4 CPU ranks a run then takes 4-5 s instead of 11-16 s.
+TWO_LAYERS = "--model.flavor=debugmodel_2layers"
 # (config, overrides, rank that logs the loss, a shard-plan row the log must hold)
 CASES = {
     "tp2_fsdp2": (DEBUG, [TP2], 0, r"layers\.1\.moe\.shared_experts\.w2\.weight .* tp 2 \(dim 1\)"),
@@ -26,7 +29,7 @@ CASES = {
     # 2 experts, EP 2 x efsdp 2 > 2: FSDP shards the experts on dim 1
     "ep2_fsdp4_dim1": (
         SEED,
-        [EP2, FULL_AC, "--model.flavor=debugmodel_2experts"],
+        [EP2, FULL_AC, "--model.flavor=debugmodel_2experts_2layers"],
         0,
         r"moe\.experts\.w1 +\[1, 512, 256\] +2 +1 +256 +0 .* ep 2 \(dim 0\)",
     ),
@@ -45,7 +48,14 @@ CASES = {
         0,
         r"layers\.1\.moe\.experts\.w1 .* tp 2 \(dim 1\)",
     ),
-    "ep2_fsdp4_compile": (SEED, [EP2, FULL_AC, COMPILE], 0, r"moe\.experts\.w1 .* ep 2"),
+    # Traced by dynamo and AOTAutograd whole (fullgraph), not lowered by inductor, whose C++
+    # compilation is 90% of a compiled CPU run (150 s here); the other compiled runs lower.
+    "ep2_fsdp4_compile": (
+        SEED,
+        [EP2, FULL_AC, COMPILE, "--compile.backend=aot_eager"],
+        0,
+        r"moe\.experts\.w1 .* ep 2",
+    ),
     # HSDP x TP: replicate 2 x shard 2 x TP 2 on 8 ranks
     "hsdp2x2_tp2": (
         DEBUG,
@@ -75,6 +85,8 @@ def _declare_case(case: str) -> tuple[str, str]:
     config, overrides, log_rank, _ = CASES[case]
     ranks = RANKS.get(case, 4)
     args = [f"--training.steps={STEPS}", *overrides]
+    if not any(o.startswith("--model.flavor") for o in overrides):
+        args.append(TWO_LAYERS)
     # Each compiled run starts from an empty compile cache of its own.
     cache = {"TORCHINDUCTOR_CACHE_DIR": "{out}/inductor"} if COMPILE in overrides else None
     if case in EAGER_BASELINE:
@@ -113,7 +125,8 @@ def test_parallelism_trains_tracking_bf16(case, trainer_log):
     assert sorted(fp8) == sorted(bf16) == list(range(1, STEPS + 1)), (fp8, bf16)
     gaps = [abs(fp8[s] - bf16[s]) for s in fp8]
     assert max(gaps) < TOLERANCE, (fp8, bf16)
-    assert gaps[0] > 0, "identical first losses: the fp8 path did not run"
+    # 5 printed decimals: the first step's fp8 rounding can vanish in them with one MoE layer.
+    assert max(gaps) > 0, "identical losses: the fp8 path did not run"
     assert fp8[STEPS] < fp8[1]
     assert re.search(CASES[case][3], fp8_log), fp8_log[-4000:]
     if case == WARM_CACHE_CASE:
@@ -145,6 +158,7 @@ def _declare_reshard(case: str) -> tuple[str, str]:
         "--checkpoint.enable",
         f"--checkpoint.interval={CHECKPOINT_STEP}",
         "--job.dump_folder={out}",
+        TWO_LAYERS,
     ]
     writer = trainer_run(f"{case}_writer", writer_ranks, DEBUG, *common, *writer_args)
     saved = f"checkpoint/step-{CHECKPOINT_STEP}"

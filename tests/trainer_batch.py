@@ -43,11 +43,18 @@ def _skip_final_sleep() -> None:
     torchtitan.train.time = types.SimpleNamespace(**dict(names, sleep=lambda seconds: None))
 
 
-# Smaller variants of torchtitan's debug flavors, for runs whose cost is the model's size.
-# qwen3 debugmodel_moe is 8 layers of 64 experts (302M expert parameters): an emulated fp8 step
-# takes about 24 s on 2 CPU cores (docs/benchmarks/cpu_step.md); 2 layers keep its experts,
-# routing and modules.
-TEST_FLAVORS = {("qwen3", "debugmodel_moe_2layers"): ("debugmodel_moe", {"n_layers": 2})}
+# Smaller variants of the debug flavors, for runs whose cost is the model's size. qwen3
+# debugmodel_moe is 8 layers of 64 experts (302M expert parameters): an emulated fp8 step takes
+# about 24 s on 2 CPU cores (docs/benchmarks/cpu_step.md). Llama4's debugmodel alternates dense
+# and MoE layers over 6; 2 layers keep one of each (a 4-rank TP run: 4-5 s instead of 11-16 s).
+# Each keeps its experts, routing and modules.
+TWO_LAYERS = {"n_layers": 2}
+TEST_FLAVORS = {
+    ("qwen3", "debugmodel_moe_2layers"): ("debugmodel_moe", TWO_LAYERS),
+    ("llama4", "debugmodel_2layers"): ("debugmodel", TWO_LAYERS),
+    ("llama4_grouped_shared", "debugmodel_2layers"): ("debugmodel", TWO_LAYERS),
+    ("llama4_grouped_shared", "debugmodel_2experts_2layers"): ("debugmodel_2experts", TWO_LAYERS),
+}
 
 
 def _register_test_flavors() -> None:
