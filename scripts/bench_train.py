@@ -5,7 +5,8 @@
         [--out docs/...json] [-- extra torchtitan overrides]
 
 Variant suffixes: ``+compile`` (torch.compile), ``+cache`` (``--float8_moe.cache_fp8_weights``),
-``+dense`` (torchtitan's fp8 rowwise ``quantize.linear.float8`` on the dense linears as well).
+``+fp8ag`` (``--float8_moe.fp8_all_gather``: FSDP gathers fp8 payloads), ``+dense`` (torchtitan's
+fp8 rowwise ``quantize.linear.float8`` on the dense linears as well).
 
 Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
 per-step log lines, and reports the median tokens/s per device and the peak reserved memory over
@@ -60,6 +61,7 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         f"--job.dump_folder=outputs/bench_train/{variant}",
         *(["--compile.enable"] if "+compile" in variant else []),
         *(["--float8_moe.cache_fp8_weights"] if "+cache" in variant else []),
+        *(["--float8_moe.fp8_all_gather"] if "+fp8ag" in variant else []),
         *(dense_fp8(variant) if "+dense" in variant else []),
         *extra,
     ]

@@ -131,23 +131,27 @@ ROWS = [
     ),
     (
         "`fp8_all_gather` (shards quantized before FSDP's all-gather), with FSDP, uneven "
-        "dim 0, `cache_fp8_weights`, resharding on or off, activation checkpointing",
+        "dim 0, `cache_fp8_weights`, resharding on or off, activation checkpointing, "
+        "torch.compile",
         WORKS,
         "bit-identical to the bf16 gather at world 2 and 3 (emulated) and on an H200 (Triton "
-        "kernels, hooks driven by hand); trainer losses equal; 2D FeedForward weights and FSDP "
-        "on dim 1 gather bf16, as the plan logs",
+        "kernels, hooks driven by hand); trainer losses equal, eager and compiled (dynamo and "
+        "AOTAutograd; the gathered GEMM lowered by inductor equals eager); 2D FeedForward "
+        "weights and FSDP on dim 1 gather bf16, as the plan logs",
         [
             "test_fp8_all_gather.py::test_fp8_all_gather_matches_bf16",
             "test_fp8_all_gather.py::test_shard_plan_logs_fp8_and_bf16_fallbacks",
             "test_train.py::test_fp8_all_gather_trains_exactly_like_the_bf16_gather",
+            "test_compile.py::test_compiled_fp8_gathered_weight_equals_eager",
             "test_cuda.py::test_fp8_all_gather_on_cuda_equals_the_unsharded_weight",
         ],
     ),
     (
-        "`fp8_all_gather` with torch.compile, or with `mixed_precision_param` other than bf16",
+        "`fp8_all_gather` with `mixed_precision_param` other than bf16",
         REFUSED,
-        "the fp8-gathered weights do not enter compiled code; the error names both options",
-        ["test_fp8_all_gather.py::test_fp8_all_gather_refuses_what_it_cannot_serve"],
+        "torchtitan's experts cast the weights to bf16, which needs the values; the error names "
+        "both options",
+        ["test_fp8_all_gather.py::test_fp8_all_gather_refuses_another_all_gather_dtype"],
     ),
     (
         "`cache_fp8_weights` (fp8 weight cache)",

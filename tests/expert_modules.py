@@ -110,3 +110,37 @@ def fsdp_cases(world_size: int) -> list[dict]:
     cases += [_case("for_loop", 3, combo) for combo in _COMBOS[2:]]
     cases += [_case("tiny_routed", 2, _COMBOS[0])]  # world sizes above every weight dim
     return cases
+
+
+class _FsdpMesh:
+    """What the all-gather hooks read of FSDP2's mesh: its size."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def gathered_by_hand(weight: torch.Tensor, world: int, emulate: bool) -> torch.Tensor:
+    """``weight [E, out, in]`` unsharded as FSDP2 does it with ``fp8_all_gather`` over ``world``
+    dim-0 shards, the all-gather done by hand (FSDP2 concatenates each input along dim 0): the
+    shards' pre-all-gather hooks, then the post-all-gather hook."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from torchtitan_fp8_moe.weight import Float8MoEWeight
+
+    rows = -(-weight.shape[0] // world)
+    shards = [
+        Float8MoEWeight(weight[r * rows : (r + 1) * rows].clone(), emulate, fp8_all_gather=True)
+        for r in range(world)
+    ]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    inputs = [
+        s.fsdp_pre_all_gather(_FsdpMesh(world), weight.shape, weight.stride(), None, policy)
+        for s in shards
+    ]
+    assert inputs[0][0][0].dtype == torch.float8_e4m3fn
+    outputs = tuple(torch.cat(parts) for parts in zip(*(i[0] for i in inputs), strict=True))
+    unsharded, _ = shards[0].fsdp_post_all_gather(outputs, inputs[0][1], torch.bfloat16)
+    return unsharded

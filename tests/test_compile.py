@@ -1,10 +1,18 @@
 """torch.compile(fullgraph=True) over converted weights gives the eager fp8 results exactly,
-the way torchtitan compiles Llama4 (the routed-expert function and the shared expert)."""
+the way torchtitan compiles Llama4 (the routed-expert function and the shared expert), and over
+an expert weight all-gathered as fp8 payloads."""
 
 import torch
 import torch._inductor.config
-from expert_modules import build_expert_module, convert_to_float8_moe, expert_inputs
+from expert_modules import (
+    build_expert_module,
+    convert_to_float8_moe,
+    expert_inputs,
+    gathered_by_hand,
+)
 from torchtitan.models.moe.moe import _run_experts_grouped_mm
+
+from torchtitan_fp8_moe.weight import Float8MoEWeight
 
 
 def _fwd_bwd(fn, module, kind, dim0):
@@ -42,3 +50,39 @@ def test_compiled_experts_equal_eager(monkeypatch):
         for got, want in zip(result[2], eager[2], strict=True):
             assert torch.equal(got, want), kind
         assert all(type(p).__name__ == "Float8MoEWeight" for p in module.parameters())
+
+
+def test_compiled_fp8_gathered_weight_equals_eager():
+    """An expert weight all-gathered as fp8 payloads (3 experts over 2 ranks: one rank holds a
+    padding row) enters compiled code as a graph input: inductor's and AOTAutograd's results equal
+    eager's, which equal quantizing the unsharded weight, bit for bit."""
+    torch.manual_seed(0)
+    weight = torch.randn(3, 48, 32, dtype=torch.bfloat16)
+    offs = torch.tensor([8, 8, 40], dtype=torch.int32)  # an empty group, 8 rows of no group
+    x = torch.randn(48, 32, dtype=torch.bfloat16)
+    target = torch.randn(48, 48)
+
+    def experts(x, w):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    def fwd_bwd(fn, w):
+        x_leaf = x.clone().requires_grad_()
+        out = fn(x_leaf, w)
+        (out.float() * target).sum().backward()
+        grad, w.grad = w.grad, None
+        return out.detach(), x_leaf.grad, grad
+
+    quantizing = torch.nn.Parameter(Float8MoEWeight(weight.clone(), emulate=True))
+    want = fwd_bwd(experts, quantizing)
+    gathered_weight = torch.nn.Parameter(gathered_by_hand(weight, world=2, emulate=True))
+    assert type(gathered_weight).__name__ == "Float8GatheredWeight"
+    results = {"eager": fwd_bwd(experts, gathered_weight)}
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        results[backend] = fwd_bwd(
+            torch.compile(experts, backend=backend, fullgraph=True), gathered_weight
+        )
+    for name, got in results.items():
+        for value, expected in zip(got, want, strict=True):
+            assert torch.equal(value, expected), name
+    assert type(results["inductor"][2]) is torch.Tensor

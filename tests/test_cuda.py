@@ -4,6 +4,7 @@ to fp32 accumulation order. Runs only on CUDA devices with fp8 (sm89+); skipped 
 import pytest
 import torch
 import torch.nn.functional as F
+from expert_modules import gathered_by_hand
 
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, fp8_kernels_available
@@ -181,49 +182,38 @@ def test_compiled_projection_equals_eager_on_cuda():
         assert torch.equal(eager, compiled)
 
 
-class _FsdpMesh:
-    """What the all-gather hooks read of FSDP2's mesh: its size."""
-
-    def __init__(self, size: int):
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-
 @pytest.mark.parametrize("experts,world", [(4, 2), (3, 2), (1, 2)], ids=["even", "uneven", "seed"])
 def test_fp8_all_gather_on_cuda_equals_the_unsharded_weight(experts, world):
     """`fp8_all_gather`'s hooks with the Triton quantizers, FSDP2's all-gather done by hand for
-    `world` shards on one GPU (FSDP2 concatenates each all-gather input along dim 0): outputs and
-    both gradients equal the unsharded weight's bit for bit, ranks of padding only included."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
+    `world` shards on one GPU: outputs and both gradients equal the unsharded weight's bit for
+    bit, ranks of padding only included, eager and compiled by inductor (the gathered weight as a
+    graph input)."""
     torch.manual_seed(0)
     w = (torch.randn(experts, H, D, device="cuda") * 0.02).bfloat16()
-    rows = -(-experts // world)
-    shards = [
-        Float8MoEWeight(w[r * rows : (r + 1) * rows].clone(), emulate=False, fp8_all_gather=True)
-        for r in range(world)
-    ]
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    inputs = [
-        s.fsdp_pre_all_gather(_FsdpMesh(world), w.shape, w.stride(), None, policy) for s in shards
-    ]
-    assert inputs[0][0][0].dtype == torch.float8_e4m3fn
-    outputs = tuple(torch.cat(parts) for parts in zip(*(i[0] for i in inputs), strict=True))
-    unsharded, _ = shards[0].fsdp_post_all_gather(outputs, inputs[0][1], torch.bfloat16)
+    unsharded = gathered_by_hand(w, world, emulate=False)
     # Token groups aligned to 16, as the fp8 grouped GEMM needs (torchtitan pads them so).
     group = M // experts // 16 * 16
     offs = torch.tensor([group * (e + 1) for e in range(experts - 1)] + [M], dtype=torch.int32)
     offs = offs.cuda()
     x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+
+    def experts_fn(x, weight):
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+
+    compiled_fn = torch.compile(experts_fn, fullgraph=True)
     results = []
-    for weight in (unsharded, Float8MoEWeight(w.clone(), emulate=False)):
+    for weight, fn in [
+        (Float8MoEWeight(w.clone(), emulate=False), experts_fn),
+        (unsharded, experts_fn),
+        (unsharded, compiled_fn),
+    ]:
         param = torch.nn.Parameter(weight)
         xi = x.clone().requires_grad_()
-        out = torch._grouped_mm(xi, param.transpose(-2, -1), offs=offs)
+        out = fn(xi, param)
         out.backward(grad)
         results.append((out, xi.grad, param.grad))
-    for gathered, reference in zip(*results, strict=True):
-        assert torch.equal(gathered, reference)
+    reference = results[0]
+    for result in results[1:]:
+        for value, expected in zip(result, reference, strict=True):
+            assert torch.equal(value, expected)

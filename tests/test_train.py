@@ -307,29 +307,50 @@ def test_composition_trains_with_the_same_losses(trainer_log, composition):
 
 
 # fp8_all_gather on the seed layout (routed [8, ...] and grouped shared [1, ...] experts, one
-# padding-only rank), with full AC and the fp8 weight cache, against the same run gathering bf16.
+# padding-only rank), with full AC and the fp8 weight cache, against the same run gathering bf16;
+# eager and compiled (torchtitan's per-block fullgraph compile, which takes the gathered weight as
+# a graph input). The compiled pair is traced by dynamo and AOTAutograd, not lowered by inductor,
+# whose C++ compilation is most of a compiled CPU run; test_compile.py lowers the gathered GEMM.
 GATHER = [
     "--training.steps=3",
     "--activation_checkpoint.mode=full",
     "--float8_moe.cache_fp8_weights",
 ]
-BF16_GATHER = trainer_run("seed_bf16_all_gather", 2, SEED_CONFIG, *GATHER)
-FP8_GATHER = trainer_run(
-    "seed_fp8_all_gather", 2, SEED_CONFIG, *GATHER, "--float8_moe.fp8_all_gather"
+GATHER_RUNS = {
+    mode: (
+        trainer_run(f"seed_bf16_all_gather{suffix}", 2, SEED_CONFIG, *GATHER, *extra),
+        trainer_run(
+            f"seed_fp8_all_gather{suffix}",
+            2,
+            SEED_CONFIG,
+            *GATHER,
+            *extra,
+            "--float8_moe.fp8_all_gather",
+        ),
+    )
+    for mode, suffix, extra in [
+        ("eager", "", []),
+        ("compiled", "_compiled", ["--compile.enable", "--compile.backend=aot_eager"]),
+    ]
+}
+
+
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=needs(*runs)) for m, runs in GATHER_RUNS.items()]
 )
-
-
-@needs(BF16_GATHER, FP8_GATHER)
-def test_fp8_all_gather_trains_exactly_like_the_bf16_gather(trainer_log):
+def test_fp8_all_gather_trains_exactly_like_the_bf16_gather(trainer_log, mode):
     """Each shard quantizes its whole experts with the scales the gathered weight would get:
     every loss is bit-identical to the run that all-gathers bf16 and quantizes after."""
-    log = trainer_log(FP8_GATHER).text
+    bf16_gather, fp8_gather = GATHER_RUNS[mode]
+    log = trainer_log(fp8_gather).text
     assert "fp8 all-gather on" in log
     fp8_rows = re.findall(r"layers\.\d+\.moe\.(?:experts|shared_expert)\.w\d .* fp8 *$", log, re.M)
     assert len(fp8_rows) == 18, log[-4000:]
-    curve = trainer_log(FP8_GATHER).losses()
+    if mode == "compiled":
+        assert "Compiling each TransformerBlock with torch.compile" in log
+    curve = trainer_log(fp8_gather).losses()
     assert sorted(curve) == [1, 2, 3]
-    assert curve == trainer_log(BF16_GATHER).losses()
+    assert curve == trainer_log(bf16_gather).losses()
 
 
 # The 4-rank runs train 2 of the debug model's 6 layers, one dense and one MoE

@@ -93,12 +93,6 @@ class Float8MoEConverter:
         self.fqns = list(config.fqns)
         self.cache_fp8_weights = config.cache_fp8_weights
         self.fp8_all_gather = config.fp8_all_gather
-        if self.fp8_all_gather and job_config.compile.enable:
-            raise ValueError(
-                "float8_moe: fp8_all_gather = true with compile.enable is not supported: the "
-                "fp8-gathered expert weights do not enter compiled code. Set "
-                "`[float8_moe] fp8_all_gather = false` or `[compile] enable = false`."
-            )
         self.parallel_dims = parallel_dims
         self.linear_converter_filters = {
             name: filter_fqns(job_config)

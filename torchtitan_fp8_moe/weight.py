@@ -33,7 +33,12 @@ from torch._prims_common import suggest_memory_format
 from torch.distributed.tensor import DTensor
 
 from .fp8 import fp8_batched_mm, fp8_grouped_mm, fp8_matmul, gathered
-from .fp8.weight_cache import CachedWeightQuantizer, Quantized, WeightQuantCache, WeightQuantizer
+from .fp8.weight_cache import (
+    CachedWeightQuantizer,
+    WeightPayloads,
+    WeightQuantCache,
+    WeightQuantizer,
+)
 from .sharding import fp8_all_gather_fallback, padded_shard_shape, sharded_dim
 
 aten = torch.ops.aten
@@ -163,9 +168,9 @@ class _Fp8Weight(torch.Tensor):
 
     emulate: bool
 
-    def _fp8_operand(self) -> tuple[torch.Tensor, bool, WeightQuantizer | None]:
-        """(the matmul's right operand ``b``, whether it runs CUDA kernels, its weight
-        quantizer or None to quantize ``b``)."""
+    def _fp8_operand(self) -> tuple[torch.Tensor, bool, WeightQuantizer | WeightPayloads | None]:
+        """(the matmul's right operand ``b``, whether it runs CUDA kernels, where its fp8 copies
+        come from: a weight quantizer, the payloads, or None to quantize ``b``)."""
         raise NotImplementedError
 
     def _uses_cuda_kernels(self) -> bool:
@@ -409,9 +414,9 @@ class Float8MoEWeight(_Fp8Weight):
             # Later gathers refill the buffers that the unsharded weight's payloads view.
             unsharded = out.to_local() if isinstance(out, DTensor) else out
             forward_data, input_grad_data, scales = all_gather_outputs
-            _check_views(unsharded._forward[0], forward_data, layout.logical_shape)
-            _check_views(unsharded._input_grad[0], input_grad_data, layout.logical_shape)
-            _check_views(unsharded._forward[1], scales, layout.logical_shape)
+            _check_views(unsharded.forward_data, forward_data, layout.logical_shape)
+            _check_views(unsharded.input_grad_data, input_grad_data, layout.logical_shape)
+            _check_views(unsharded.forward_scales, scales, layout.logical_shape)
             return
         payloads = gathered.unpack(all_gather_outputs, layout)
         unsharded = Float8GatheredWeight(
@@ -425,33 +430,64 @@ class Float8MoEWeight(_Fp8Weight):
         return unsharded, all_gather_outputs
 
 
+class _ShapeOnly(torch.autograd.Function):
+    """A plain tensor of the gathered weight's shape and dtype holding no values (one element,
+    expanded), for the fp8 GEMM to return the weight gradient through."""
+
+    @staticmethod
+    def forward(ctx, weight: "Float8GatheredWeight") -> torch.Tensor:
+        return torch.empty((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class Float8GatheredWeight(_Fp8Weight):
     """The unsharded expert weight ``w [E, out, in]`` that FSDP2 all-gathers with
     ``fp8_all_gather``: the fp8 payloads of both orientations of the matmul operand ``w^T``
     (``fp8/gathered.py``), no high-precision values. It is the right operand ``w^T`` of fp8
     matmuls (``torch._grouped_mm(x, w.transpose(-2, -1), offs)``, 3D x 3D, bmm) and nothing
     else: its views are itself (detach, FSDP's as_strided, ``to_local``'s view_as) and that
-    transpose; any other op raises rather than compute without the values."""
+    transpose; any other op raises rather than compute without the values. Its payloads are
+    its inner tensors, so compiled graphs take it as an input."""
 
-    _forward: Quantized  # fp8 data [E, in, out] and scales [E, 1, out] of w^T, as gathered
-    _input_grad: Quantized  # fp8 data [E, out, in] and scales [E, 1, in] of (w^T)^T
+    # WeightPayloads of w^T, as gathered: forward data [E, in, out] and scales [E, 1, out],
+    # input-gradient data [E, out, in] and scales [E, 1, in].
+    forward_data: torch.Tensor
+    forward_scales: torch.Tensor
+    input_grad_data: torch.Tensor
+    input_grad_scales: torch.Tensor
     transposed: bool  # this tensor is w^T, the matmul operand the payloads are of
 
     @staticmethod
-    def __new__(cls, payloads, size, stride, dtype, emulate, transposed):
-        device = payloads[gathered.FORWARD][0].device
+    def __new__(cls, payloads: WeightPayloads, size, stride, dtype, emulate, transposed):
         return torch.Tensor._make_wrapper_subclass(
-            cls, size, strides=stride, dtype=dtype, device=device, requires_grad=False
+            cls,
+            size,
+            strides=stride,
+            dtype=dtype,
+            device=payloads.forward_data.device,
+            requires_grad=False,
         )
 
-    def __init__(self, payloads, size, stride, dtype, emulate, transposed):
-        self._forward = payloads[gathered.FORWARD]
-        self._input_grad = payloads[gathered.INPUT_GRAD]
+    def __init__(self, payloads: WeightPayloads, size, stride, dtype, emulate, transposed):
+        for name, tensor in payloads._asdict().items():
+            setattr(self, name, tensor)
         self.emulate = emulate
         self.transposed = transposed
 
-    def _payloads(self) -> dict[str, Quantized]:
-        return {gathered.FORWARD: self._forward, gathered.INPUT_GRAD: self._input_grad}
+    def _payloads(self) -> WeightPayloads:
+        return WeightPayloads(*(getattr(self, name) for name in WeightPayloads._fields))
+
+    def __tensor_flatten__(self):
+        return list(WeightPayloads._fields), (self.dtype, self.emulate, self.transposed)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, flags, outer_size, outer_stride):
+        dtype, emulate, transposed = flags
+        payloads = WeightPayloads(**inner_tensors)
+        return cls(payloads, outer_size, outer_stride, dtype, emulate, transposed)
 
     def _unsupported(self, use: str) -> NotImplementedError:
         return NotImplementedError(
@@ -461,11 +497,10 @@ class Float8GatheredWeight(_Fp8Weight):
             "runs on it. Set `[float8_moe] fp8_all_gather = false` for this use."
         )
 
-    def _fp8_operand(self) -> tuple[torch.Tensor, bool, WeightQuantizer | None]:
+    def _fp8_operand(self) -> tuple[torch.Tensor, bool, WeightPayloads]:
         if not self.transposed:
             raise self._unsupported("a matmul with w itself (not w.transpose(-2, -1))")
-        quantizer = gathered.GatheredWeightQuantizer(self._payloads(), list(self.shape))
-        return self, self._uses_cuda_kernels(), quantizer
+        return _ShapeOnly.apply(self), self._uses_cuda_kernels(), self._payloads()
 
     def high_precision(self) -> torch.Tensor:
         raise self._unsupported("high_precision()")

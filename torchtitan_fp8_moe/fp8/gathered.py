@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 from .scaled_grouped_mm import quantize_weight, quantizer_for
-from .weight_cache import Quantized, WeightQuantizer
+from .weight_cache import Quantized, WeightPayloads, WeightQuantizer
 
 FORWARD, INPUT_GRAD = "forward", "input_grad"
 _SCALE_DTYPE = torch.float32
@@ -140,7 +140,7 @@ def _gathered_data(gathered: torch.Tensor, stored: StoredData, experts: int) -> 
     return data.transpose(-2, -1) if stored.transposed else data
 
 
-def unpack(outputs: tuple[torch.Tensor, ...], layout: GatherLayout) -> dict[str, Quantized]:
+def unpack(outputs: tuple[torch.Tensor, ...], layout: GatherLayout) -> WeightPayloads:
     """The unsharded weight's payloads (as ``quantize_shard`` gives them), as views of the
     all-gather outputs with the padding rows narrowed off."""
     forward_data, input_grad_data, scale_carrier = outputs
@@ -154,33 +154,9 @@ def unpack(outputs: tuple[torch.Tensor, ...], layout: GatherLayout) -> dict[str,
         .narrow(0, 0, experts)
         .unsqueeze(1)
     )
-    return {
-        FORWARD: (
-            _gathered_data(forward_data, layout.data[FORWARD], experts),
-            scales[..., :out_features],
-        ),
-        INPUT_GRAD: (
-            _gathered_data(input_grad_data, layout.data[INPUT_GRAD], experts),
-            scales[..., out_features:],
-        ),
-    }
-
-
-class GatheredWeightQuantizer:
-    """The fp8 GEMM's weight quantizer for an unsharded weight gathered as fp8 payloads: hands
-    out the payloads, never quantizes."""
-
-    def __init__(self, payloads: dict[str, Quantized], shape: list[int]):
-        self.payloads = payloads
-        self.shape = shape
-
-    def __call__(self, b: torch.Tensor, orientation: str, quantize) -> Quantized:
-        if orientation not in self.payloads:
-            raise NotImplementedError(
-                f"float8_moe: the fp8-gathered weight {self.shape} holds no {orientation!r} "
-                "payload; set `[float8_moe] fp8_all_gather = false`"
-            )
-        data, scales = self.payloads[orientation]
-        # The forward's third value, the amax for quantizing b^T, is unused: the input-gradient
-        # payload came with the gather.
-        return (data, scales, None) if orientation == FORWARD else (data, scales)
+    return WeightPayloads(
+        _gathered_data(forward_data, layout.data[FORWARD], experts),
+        scales[..., :out_features],
+        _gathered_data(input_grad_data, layout.data[INPUT_GRAD], experts),
+        scales[..., out_features:],
+    )

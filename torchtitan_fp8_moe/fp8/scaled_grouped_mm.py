@@ -16,7 +16,11 @@ from functools import partial
 import torch
 
 from . import gemm, torch_quantize
-from .weight_cache import WeightQuantizer
+from .weight_cache import WeightPayloads, WeightQuantizer
+
+# Where the GEMM gets its weight's fp8 copies: it quantizes b itself (None), a quantizer hands
+# them out while b is unchanged (``weight_cache.py``), or they came with b.
+WeightSource = WeightQuantizer | WeightPayloads | None
 
 
 def quantizer_for(use_cuda_kernels: bool):
@@ -35,33 +39,44 @@ def quantize_weight(b, orientation: str, quantize, cached: WeightQuantizer | Non
 
 class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, offs, use_cuda_kernels: bool, cached: WeightQuantizer | None):
+    def forward(ctx, a, b, offs, use_cuda_kernels: bool, cached, *b_payloads):
+        """``b_payloads``: the four tensors of ``WeightPayloads``, or none to quantize b (through
+        ``cached`` if given); with them b carries only its shape and dtype."""
         quantize = quantizer_for(use_cuda_kernels)
         a_fp8, a_scale = quantize.rows(a)
-        # The forward cast also gives the amax over N, so the backward's cast of b^T can scale
-        # without reading b for it.
-        b_fp8, b_scale, b_amax_over_n = quantize_weight(b, "forward", quantize.weight, cached)
-        ctx.save_for_backward(a, b, offs, b_amax_over_n)
-        ctx.use_cuda_kernels, ctx.cached = use_cuda_kernels, cached
+        if b_payloads:
+            b_fp8, b_scale, b_t_fp8, b_t_scale = b_payloads
+            ctx.save_for_backward(a, offs, b_t_fp8, b_t_scale)
+        else:
+            # The forward cast also gives the amax over N, so the backward's cast of b^T can
+            # scale without reading b for it.
+            b_fp8, b_scale, b_amax_over_n = quantize_weight(b, "forward", quantize.weight, cached)
+            ctx.save_for_backward(a, offs, b, b_amax_over_n)
+        ctx.use_cuda_kernels, ctx.cached, ctx.b_dtype = use_cuda_kernels, cached, b.dtype
+        ctx.payload_count = len(b_payloads)
         return gemm.grouped_mm(a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, use_cuda_kernels)
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, b, offs, b_amax_over_n = ctx.saved_tensors
+        a, offs, *weight_saved = ctx.saved_tensors
         cuda = ctx.use_cuda_kernels
         quantize = quantizer_for(cuda)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_fp8, grad_scale = quantize.rows(grad_out)
-            transposed = partial(quantize.weight_transposed, amax_over_n=b_amax_over_n)
-            b_t_fp8, b_t_scale = quantize_weight(b, "input_grad", transposed, ctx.cached)
+            if ctx.payload_count:
+                b_t_fp8, b_t_scale = weight_saved
+            else:
+                b, b_amax_over_n = weight_saved
+                transposed = partial(quantize.weight_transposed, amax_over_n=b_amax_over_n)
+                b_t_fp8, b_t_scale = quantize_weight(b, "input_grad", transposed, ctx.cached)
             grad_a = gemm.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, a.dtype, cuda)
         if ctx.needs_input_grad[1]:
             a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(a, grad_out, offs)
             grad_b = gemm.grouped_wgrad_mm(
-                a_fp8, a_scales, grad_fp8, grad_scales, offs, b.dtype, cuda
+                a_fp8, a_scales, grad_fp8, grad_scales, offs, ctx.b_dtype, cuda
             )
-        return grad_a, grad_b, None, None, None
+        return grad_a, grad_b, None, None, None, *([None] * ctx.payload_count)
 
 
 def fp8_grouped_mm(
@@ -69,11 +84,13 @@ def fp8_grouped_mm(
     b: torch.Tensor,
     offs: torch.Tensor,
     use_cuda_kernels: bool,
-    cached: WeightQuantizer | None = None,
+    cached: WeightSource = None,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)`` in fp8 rowwise. ``cached``
     gives b's fp8 copies instead of quantizing b: from a cache while b is unchanged
     (``weight_cache.py``), or the payloads an fp8 all-gather brought (``gathered.py``)."""
+    if isinstance(cached, WeightPayloads):
+        return _Fp8RowwiseGroupedMM.apply(a, b, offs, use_cuda_kernels, None, *cached)
     return _Fp8RowwiseGroupedMM.apply(a, b, offs, use_cuda_kernels, cached)
 
 
@@ -81,7 +98,7 @@ def fp8_batched_mm(
     a: torch.Tensor,
     b: torch.Tensor,
     use_cuda_kernels: bool,
-    cached: WeightQuantizer | None = None,
+    cached: WeightSource = None,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8 rowwise."""
     groups, tokens, _ = a.shape
@@ -94,7 +111,7 @@ def fp8_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
     use_cuda_kernels: bool,
-    cached: WeightQuantizer | None = None,
+    cached: WeightSource = None,
 ) -> torch.Tensor:
     """``a [..., K] @ b [K, N]`` in fp8 rowwise (a linear layer's ``x @ W^T`` has b = W^T)."""
     a_2d = a.reshape(-1, a.shape[-1])

@@ -29,6 +29,7 @@ it, so later copies get a fresh one.
 
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +39,16 @@ Quantized = tuple[torch.Tensor, ...]  # fp8 data, scales (, the amax of the othe
 # What the fp8 GEMM calls for its weight's fp8 copy: (b, orientation, quantize) -> quantize(b)
 # or an equal copy it already holds.
 WeightQuantizer = Callable[[torch.Tensor, str, Callable[[torch.Tensor], Quantized]], Quantized]
+
+
+class WeightPayloads(NamedTuple):
+    """Both fp8 copies of a GEMM's weight operand ``b [G, K, N]``, made before the GEMM (an fp8
+    all-gather brings them, ``gathered.py``): tensors, so compiled graphs take them as inputs."""
+
+    forward_data: torch.Tensor  # b's fp8 data [G, K, N]
+    forward_scales: torch.Tensor  # [G, 1, N]
+    input_grad_data: torch.Tensor  # b^T's fp8 data [G, N, K]
+    input_grad_scales: torch.Tensor  # [G, 1, K]
 
 
 class WeightQuantCache:
