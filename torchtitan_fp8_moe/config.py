@@ -29,8 +29,9 @@ class Float8MoE:
     micro-batch of the step. Saves the weight quantization time of all but the first use (on an
     H200 the transposed-weight cast alone is 0.85 ms per Scout routed projection and use,
     docs/benchmarks); costs the memory of the fp8 copies
-    (about one bf16 copy of the unsharded expert weights) until the step ends. Eager mode only:
-    under torch.compile the weights are quantized inline."""
+    (about one bf16 copy of the unsharded expert weights) until the step ends. Compiled blocks
+    quantize their weights inline, without it; with fp8_all_gather the shards are quantized in
+    FSDP's (eager) all-gather hook, where it applies under torch.compile too."""
 
     fp8_all_gather: bool = False
     """Under FSDP, quantize each expert weight on its shard, before the all-gather, and gather the
@@ -43,8 +44,8 @@ class Float8MoE:
     any use of it other than the experts' `torch._grouped_mm` (x @ w^T) raises. Weights whose
     shards cannot quantize alone (2D FeedForward weights, FSDP on dim 1 under expert
     parallelism) gather bf16 as before; the converter's shard plan says which. With
-    cache_fp8_weights the shard's payloads are quantized once per optimizer step. Eager mode
-    only: refused with compile.enable."""
+    cache_fp8_weights the shard's payloads are quantized once per optimizer step. Works under
+    compile.enable: compiled blocks take the gathered payloads as graph inputs."""
 
 
 @dataclass

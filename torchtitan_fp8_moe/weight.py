@@ -436,7 +436,7 @@ class _ShapeOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight: "Float8GatheredWeight") -> torch.Tensor:
-        return torch.empty((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        return _shape_only(weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -450,7 +450,8 @@ class Float8GatheredWeight(_Fp8Weight):
     matmuls (``torch._grouped_mm(x, w.transpose(-2, -1), offs)``, 3D x 3D, bmm) and nothing
     else: its views are itself (detach, FSDP's as_strided, ``to_local``'s view_as) and that
     transpose; any other op raises rather than compute without the values. Its payloads are
-    its inner tensors, so compiled graphs take it as an input."""
+    its inner tensors, so compiled graphs take it as an input (not as an output: a compiled
+    function returning a view of it raises)."""
 
     # WeightPayloads of w^T, as gathered: forward data [E, in, out] and scales [E, 1, out],
     # input-gradient data [E, out, in] and scales [E, 1, in].
@@ -493,8 +494,8 @@ class Float8GatheredWeight(_Fp8Weight):
         return NotImplementedError(
             f"float8_moe: {use} on an expert weight of shape {list(self.shape)} all-gathered as "
             "fp8 payloads (`[float8_moe] fp8_all_gather`), which holds no high-precision "
-            "values: only torch._grouped_mm / bmm with w.transpose(-2, -1) as the right operand "
-            "runs on it. Set `[float8_moe] fp8_all_gather = false` for this use."
+            "values: only torch._grouped_mm, bmm, matmul or @ with w.transpose(-2, -1) as the "
+            "right operand runs on it. Set `[float8_moe] fp8_all_gather = false` for this use."
         )
 
     def _fp8_operand(self) -> tuple[torch.Tensor, bool, WeightPayloads]:
@@ -535,8 +536,7 @@ class Float8GatheredWeight(_Fp8Weight):
         kind = _dispatch_kind(func)
         if kind in (_Kind.UNRELATED_VALUES, _Kind.NEW_WEIGHT):
             # zeros_like (FSDP's zero gradient), empty_like: the shape only, no values.
-            shape_only = torch.empty((), dtype=source.dtype, device=source.device)
-            plain = pytree.tree_map_only(cls, lambda t: shape_only.expand(t.shape), (args, kwargs))
+            plain = pytree.tree_map_only(cls, _shape_only, (args, kwargs))
             return func(*plain[0], **plain[1])
         if kind is _Kind.VIEW:
             meta_args, meta_kwargs = pytree.tree_map_only(cls, _meta_like, (args, kwargs))
@@ -545,6 +545,12 @@ class Float8GatheredWeight(_Fp8Weight):
             if view is not None:
                 return view
         raise source._unsupported(str(func))
+
+
+def _shape_only(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``t``'s shape, dtype and device holding no values (one element,
+    expanded)."""
+    return torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 def _swap_last_two(values) -> tuple:

@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 from .scaled_grouped_mm import quantize_weight, quantizer_for
-from .weight_cache import Quantized, WeightPayloads, WeightQuantizer
+from .weight_cache import WeightPayloads, WeightQuantizer
 
 FORWARD, INPUT_GRAD = "forward", "input_grad"
 _SCALE_DTYPE = torch.float32
@@ -52,8 +52,8 @@ class GatherLayout:
 
 def quantize_shard(
     shard: torch.Tensor, use_cuda_kernels: bool, cached: WeightQuantizer | None
-) -> dict[str, Quantized]:
-    """Both orientations' (fp8 data, scales) of ``shard [rows, out, in]`` as the fp8 GEMM
+) -> WeightPayloads:
+    """Both orientations' fp8 data and scales of ``shard [rows, out, in]`` as the fp8 GEMM
     quantizes its operand ``b = shard^T``: forward ``[rows, in, out]`` with scales
     ``[rows, 1, out]``; input gradient ``[rows, out, in]`` with scales ``[rows, 1, in]``.
     ``cached`` reuses the shard's fp8 copies while it is unchanged (``weight_cache.py``)."""
@@ -61,7 +61,7 @@ def quantize_shard(
     b = shard.transpose(-2, -1)
     data, scales, amax_over_n = quantize_weight(b, FORWARD, quantize.weight, cached)
     transposed = partial(quantize.weight_transposed, amax_over_n=amax_over_n)
-    return {FORWARD: (data, scales), INPUT_GRAD: quantize_weight(b, INPUT_GRAD, transposed, cached)}
+    return WeightPayloads(data, scales, *quantize_weight(b, INPUT_GRAD, transposed, cached))
 
 
 def uneven(dim_size: int, world_size: int) -> bool:
@@ -115,7 +115,7 @@ def _stored(data: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def all_gather_inputs(
-    payloads: dict[str, Quantized],
+    payloads: WeightPayloads,
     logical_shape: tuple[int, ...],
     dtype: torch.dtype,
     world_size: int,
@@ -123,13 +123,18 @@ def all_gather_inputs(
     """The all-gather inputs of a padded shard's ``quantize_shard`` payloads (module docstring),
     and the layout to unpack the gathered outputs with."""
     inputs, stored = [], {}
-    padded_shape = payloads[INPUT_GRAD][0].shape  # [rows, out, in]
-    for orientation in (FORWARD, INPUT_GRAD):
-        contiguous, transposed = _stored(payloads[orientation][0])
+    padded_shape = payloads.input_grad_data.shape  # [rows, out, in]
+    for orientation, data in [
+        (FORWARD, payloads.forward_data),
+        (INPUT_GRAD, payloads.input_grad_data),
+    ]:
+        contiguous, transposed = _stored(data)
         stored[orientation] = StoredData(tuple(contiguous.shape), transposed)
         inputs.append(contiguous.view(padded_shape))
     rows = padded_shape[0]
-    scales = torch.cat([payloads[o][1].reshape(rows, -1) for o in (FORWARD, INPUT_GRAD)], dim=1)
+    scales = torch.cat(
+        [s.reshape(rows, -1) for s in (payloads.forward_scales, payloads.input_grad_scales)], dim=1
+    )
     pad = uneven(logical_shape[0], world_size)
     inputs.append(_scales_input(scales, padded_shape, pad))
     return tuple(inputs), GatherLayout(tuple(logical_shape), dtype, stored)
