@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from trainer_runs import REPO, SMALL, losses, needs, trainer_run
+from trainer_runs import REPO, SMALL, TWO_LAYERS, losses, needs, trainer_run
 
 pytestmark = pytest.mark.slow  # trainer launches: minutes
 
@@ -352,10 +352,6 @@ def test_fp8_all_gather_trains_exactly_like_the_bf16_gather(trainer_log, mode):
     assert sorted(curve) == [1, 2, 3]
     assert curve == trainer_log(bf16_gather).losses()
 
-
-# The 4-rank runs train 2 of the debug model's 6 layers, one dense and one MoE
-# (tests/trainer_batch.py): 4-5 s a run instead of 11-16 s.
-TWO_LAYERS = "--model.flavor=debugmodel_2layers"
 
 # HSDP, 2 replicas x 2 shards on 4 ranks.
 HSDP = trainer_run(

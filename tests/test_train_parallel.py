@@ -6,7 +6,7 @@ numerics against the unsharded model are tests/test_parallel.py."""
 import re
 
 import pytest
-from trainer_runs import losses, needs, trainer_run
+from trainer_runs import TWO_LAYERS, losses, needs, trainer_run
 
 pytestmark = pytest.mark.slow  # 29 trainer runs of 2-8 ranks, in 5 launches
 
@@ -17,9 +17,6 @@ ETP2 = "--parallelism.expert_tensor_parallel_degree=2"
 # Selective op AC with EP fails on CPU in torchtitan itself (the converter refuses it there).
 FULL_AC = "--activation_checkpoint.mode=full"
 COMPILE = "--compile.enable"
-# Every case trains 2 of the debug model's 6 layers (one dense, one MoE; tests/trainer_batch.py):
-# on 4 CPU ranks a run then takes 4-5 s instead of 11-16 s.
-TWO_LAYERS = "--model.flavor=debugmodel_2layers"
 # (config, overrides, rank that logs the loss, a shard-plan row the log must hold)
 CASES = {
     "tp2_fsdp2": (DEBUG, [TP2], 0, r"layers\.1\.moe\.shared_experts\.w2\.weight .* tp 2 \(dim 1\)"),
@@ -49,7 +46,8 @@ CASES = {
         r"layers\.1\.moe\.experts\.w1 .* tp 2 \(dim 1\)",
     ),
     # Traced by dynamo and AOTAutograd whole (fullgraph), not lowered by inductor, whose C++
-    # compilation is 90% of a compiled CPU run (150 s here); the other compiled runs lower.
+    # compilation is most of a compiled CPU run (here 158 s to the first step, 33 s without
+    # inductor); the other compiled runs lower.
     "ep2_fsdp4_compile": (
         SEED,
         [EP2, FULL_AC, COMPILE, "--compile.backend=aot_eager"],

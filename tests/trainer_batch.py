@@ -48,12 +48,15 @@ def _skip_final_sleep() -> None:
 # about 24 s on 2 CPU cores (docs/benchmarks/cpu_step.md). Llama4's debugmodel alternates dense
 # and MoE layers over 6; 2 layers keep one of each (a 4-rank TP run: 4-5 s instead of 11-16 s).
 # Each keeps its experts, routing and modules.
-TWO_LAYERS = {"n_layers": 2}
+TWO_LAYER_CHANGES = {"n_layers": 2}
 TEST_FLAVORS = {
-    ("qwen3", "debugmodel_moe_2layers"): ("debugmodel_moe", TWO_LAYERS),
-    ("llama4", "debugmodel_2layers"): ("debugmodel", TWO_LAYERS),
-    ("llama4_grouped_shared", "debugmodel_2layers"): ("debugmodel", TWO_LAYERS),
-    ("llama4_grouped_shared", "debugmodel_2experts_2layers"): ("debugmodel_2experts", TWO_LAYERS),
+    ("qwen3", "debugmodel_moe_2layers"): ("debugmodel_moe", TWO_LAYER_CHANGES),
+    ("llama4", "debugmodel_2layers"): ("debugmodel", TWO_LAYER_CHANGES),
+    ("llama4_grouped_shared", "debugmodel_2layers"): ("debugmodel", TWO_LAYER_CHANGES),
+    ("llama4_grouped_shared", "debugmodel_2experts_2layers"): (
+        "debugmodel_2experts",
+        TWO_LAYER_CHANGES,
+    ),
 }
 
 
