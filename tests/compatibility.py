@@ -69,12 +69,16 @@ ROWS = [
     (
         "torch.compile with TP 2 x FSDP 2 or EP 2 x FSDP 4; HSDP (2 x 2) with TP 2",
         WORKS,
-        "trainer losses within 0.02 of bf16 with the same parallelism; the TP x compile fp8 run "
-        "starts in a new process from the compile caches a compiled bf16 run wrote, and tracks "
-        "it (torch's compile caches are off under TP: pytorch/pytorch#176532); the EP run is "
-        "traced whole by dynamo and AOTAutograd (`compile.backend = aot_eager`), not lowered by "
-        "inductor on CPU",
-        ["test_train_parallel.py::test_parallelism_trains_tracking_bf16"],
+        "trainer losses within 0.02 of bf16 with the same parallelism, traced whole by dynamo "
+        "and AOTAutograd (`compile.backend = aot_eager`), not lowered by inductor on CPU; a TP "
+        "run compiled with inductor, launched again on the same compile cache folder, trains "
+        "the same (torch's compile caches are off under TP: pytorch/pytorch#176532 otherwise "
+        "trains the second launch on wrong losses)",
+        [
+            "test_train_parallel.py::test_parallelism_trains_tracking_bf16",
+            "test_train_parallel.py::"
+            "test_compiled_tensor_parallel_command_trains_the_same_when_launched_again",
+        ],
     ),
     (
         "Tensor parallelism with torch.compile and `selective` op activation checkpointing, on CPU",

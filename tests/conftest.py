@@ -21,9 +21,9 @@ SHARED_LAUNCHES = {
 def launch_suite(
     suite: str, world_size: int, tmp_root: Path, timeout_s: int = 600, env: dict | None = None
 ) -> list[dict]:
-    """Run ``tests/dist_worker.py SUITE`` under torchrun once per (suite, world size), together
-    with the suites it shares a launch with, and return every rank's results for SUITE (cached
-    for the session). ``env``: extra variables."""
+    """Run ``tests/dist_worker.py SUITE`` (``tests/fork_launch.py``) once per (suite, world
+    size), together with the suites it shares a launch with, and return every rank's results for
+    SUITE (cached for the session). ``env``: extra variables."""
     shared = SHARED_LAUNCHES.get(world_size, "")
     launched = shared if suite in shared.split("+") else suite
     key = (launched, world_size)
@@ -33,10 +33,8 @@ def launch_suite(
         env = dict(os.environ, DIST_TIMEOUT_S=str(timeout_s), OMP_NUM_THREADS="1", **(env or {}))
         cmd = [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={world_size}",
-            "--standalone",
+            str(TESTS_DIR / "fork_launch.py"),
+            f"--nproc={world_size}",
             str(TESTS_DIR / "dist_worker.py"),
             launched,
             str(out_dir),

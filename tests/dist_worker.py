@@ -1,6 +1,6 @@
-"""Runs suites of multi-process FSDP2 cases in a single torchrun launch (gloo, CPU).
+"""Runs suites of multi-process FSDP2 cases in a single launch (gloo, CPU).
 
-    torchrun --nproc_per_node=W tests/dist_worker.py SUITE[+SUITE...] OUT_DIR
+    python tests/fork_launch.py --nproc=W tests/dist_worker.py SUITE[+SUITE...] OUT_DIR
 
 Each rank writes OUT_DIR/rank{r}.json: {suite: {case name: {"error": str|None, ...}}}. The
 pytest files launch this once per world size and group of suites (tests/conftest.py) and assert

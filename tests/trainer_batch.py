@@ -1,15 +1,15 @@
-"""Several torchtitan trainer runs in one torchrun launch (CPU, gloo): `tests/conftest.py`'s
+"""Several torchtitan trainer runs in one launch (CPU, gloo): `tests/conftest.py`'s
 ``trainer_run`` fixture starts it. Each run is what `scripts/run_train.sh` would run in a launch
 of its own (`torchtitan_fp8_moe.train`: the plugin, the CPU mode, torchtitan's ConfigManager and
 Trainer) without the process start-up, one process group for all of them; each rank writes each
 run's log to a file of its own.
 
-    torchrun --nproc_per_node=N tests/trainer_batch.py SPEC.json
+    python tests/fork_launch.py --nproc=N tests/trainer_batch.py SPEC.json
 
 SPEC: ``{"runs": [{"name", "args", "log_dir", "env", "copy"}, ...]}``; ``args`` are the
 trainer's command-line arguments (config file included), ``env`` variables set for that run,
 ``copy`` an optional ``[source, destination]`` folder copied by rank 0 before it (a checkpoint
-written by an earlier run). A run that raises ends the launch: torchrun stops every rank.
+written by an earlier run). A run that raises ends the launch: the launcher stops every rank.
 """
 
 import dataclasses

@@ -2,9 +2,9 @@
 
 A test module declares the runs it reads with ``trainer_run(...)`` at import and marks each test
 with the runs it needs (``needs(...)``); conftest's ``trainer_log`` fixture hands a run's log to
-the test. Every run of the same world size whose tests are selected goes into one torchrun
-launch: on 2 CPU cores the start of 2-8 processes (imports, rendezvous) cost 10-20 s per launch,
-often more than the run itself.
+the test. Every run of the same world size whose tests are selected goes into one launch
+(`tests/fork_launch.py`): on 2 CPU cores each launch's start (imports, rendezvous) costs seconds,
+often more than a run itself.
 
 A run that reads another's output (a checkpoint) names it in ``after``: it is launched in the
 same batch after it when both have the same world size, otherwise in a later launch; with
@@ -213,11 +213,9 @@ class BatchLauncher:
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
         cmd = [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={run.ranks}",
-            "--rdzv_backend=c10d",
-            "--rdzv_endpoint=localhost:0",
+            str(TESTS_DIR / "fork_launch.py"),
+            f"--nproc={run.ranks}",
+            "--preimport=torchtitan.train",
             str(TESTS_DIR / "trainer_batch.py"),
             str(spec_path),
         ]
@@ -234,7 +232,7 @@ class BatchLauncher:
                     f"trainer run {r.name} ({r.ranks} ranks, launched with "
                     f"{[b.name for b in batch]}) did not finish; exit status "
                     f"{proc.returncode}.\nIts log (rank {r.log_rank}):\n{text[-6000:]}\n"
-                    f"torchrun output:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+                    f"launch output:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
                 )
 
 

@@ -40,13 +40,15 @@ def _check_cpu_composition(job_config: JobConfig, parallel_dims: ParallelDims) -
     """Compositions that torchtitan 0.2.2 itself cannot run on CPU (bf16 included)."""
     ac = job_config.activation_checkpoint
     selective_op_ac = ac.mode == "selective" and ac.selective_ac_option == "op"
-    if parallel_dims.tp > 1 and selective_op_ac and job_config.compile.enable:
+    compiled_model = job_config.compile.enable and "model" in job_config.compile.components
+    if parallel_dims.tp > 1 and selective_op_ac and compiled_model:
         raise ValueError(
             f"float8_moe: parallelism.tensor_parallel_degree = {parallel_dims.tp} with "
-            'compile.enable and activation_checkpoint.mode = "selective", selective_ac_option '
-            '= "op" fails on CPU with torch 2.13, in bf16 too (AOTAutograd: "expected all '
-            'tensors_saved_with_vc_check to be Tensors"); not tried on GPUs. On CPU set '
-            'activation_checkpoint.mode = "full" or "none", or leave compile off.'
+            'compile.enable (compile.components with "model") and activation_checkpoint.mode = '
+            '"selective", selective_ac_option = "op" fails on CPU with torch 2.13, in bf16 too '
+            '(AOTAutograd: "expected all tensors_saved_with_vc_check to be Tensors"); not tried '
+            'on GPUs. On CPU set activation_checkpoint.mode = "full" or "none", or leave compile '
+            "off (or compile the loss only)."
         )
     if parallel_dims.ep > 1 and selective_op_ac:
         raise ValueError(
@@ -61,9 +63,10 @@ def _check_cpu_composition(job_config: JobConfig, parallel_dims: ParallelDims) -
 
 def _disable_compile_caches_for_tensor_parallelism() -> None:
     """A compiled graph loaded from torch's on-disk caches names tensor-parallel process groups
-    of the run that wrote it, and the next run fails with "Could not resolve the process group
-    registered under the name N" (pytorch/pytorch#176532; seen on CPU with torch 2.13, in bf16
-    too): the second launch of the same command crashes. Compile from scratch instead."""
+    of the run that wrote it (pytorch/pytorch#176532; seen on CPU with torch 2.13, in bf16 too):
+    the second launch of the same command fails with "Could not resolve the process group
+    registered under the name N", or trains on wrong losses without a word (the loss compiled
+    alone: 3.9 instead of 8.1, tests/test_train_parallel.py). Compile from scratch instead."""
     import torch._functorch.config
 
     torch._inductor.config.fx_graph_cache = False
@@ -71,7 +74,7 @@ def _disable_compile_caches_for_tensor_parallelism() -> None:
     logger.warning(
         "float8_moe: tensor parallelism with compile.enable: torch's on-disk compile caches "
         "(FX graph, AOTAutograd) are off for this run; a cached graph names the process groups "
-        "of the run that wrote it and fails in the next (pytorch/pytorch#176532)"
+        "of the run that wrote it, and the next run fails or trains wrong (pytorch/pytorch#176532)"
     )
 
 
