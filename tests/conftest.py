@@ -1,10 +1,9 @@
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fork_launch import LAUNCH_ENV, ForkServer
 
 TESTS_DIR = Path(__file__).parent
 _launch_cache: dict[tuple[str, int], list[dict]] = {}
@@ -19,7 +18,12 @@ SHARED_LAUNCHES = {
 
 
 def launch_suite(
-    suite: str, world_size: int, tmp_root: Path, timeout_s: int = 600, env: dict | None = None
+    server: ForkServer,
+    suite: str,
+    world_size: int,
+    tmp_root: Path,
+    timeout_s: int = 600,
+    env: dict | None = None,
 ) -> list[dict]:
     """Run ``tests/dist_worker.py SUITE`` (``tests/fork_launch.py``) once per (suite, world
     size), together with the suites it shares a launch with, and return every rank's results for
@@ -30,16 +34,9 @@ def launch_suite(
     if key not in _launch_cache:
         out_dir = tmp_root / f"{launched}-w{world_size}"
         out_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, DIST_TIMEOUT_S=str(timeout_s), OMP_NUM_THREADS="1", **(env or {}))
-        cmd = [
-            sys.executable,
-            str(TESTS_DIR / "fork_launch.py"),
-            f"--nproc={world_size}",
-            str(TESTS_DIR / "dist_worker.py"),
-            launched,
-            str(out_dir),
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s * 3)
+        env = dict(os.environ, DIST_TIMEOUT_S=str(timeout_s), **LAUNCH_ENV, **(env or {}))
+        args = [f"--nproc={world_size}", str(TESTS_DIR / "dist_worker.py"), launched, str(out_dir)]
+        proc = server.run(args, env, TESTS_DIR.parent, timeout=timeout_s * 3)
         results = []
         for rank in range(world_size):
             path = out_dir / f"rank{rank}.json"
@@ -56,9 +53,19 @@ def launch_suite(
 
 
 @pytest.fixture(scope="session")
-def dist_results(tmp_path_factory):
+def fork_server(tmp_path_factory):
+    """Every multi-process launch of the session is a fork of this server (tests/fork_launch.py):
+    torch and torchtitan are imported once."""
+    scripts = [str(TESTS_DIR / "trainer_batch.py"), str(TESTS_DIR / "dist_worker.py")]
+    server = ForkServer(tmp_path_factory.mktemp("fork_server"), "torchtitan.train", scripts)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def dist_results(tmp_path_factory, fork_server):
     root = tmp_path_factory.mktemp("dist")
-    return lambda suite, world_size, **kw: launch_suite(suite, world_size, root, **kw)
+    return lambda suite, world_size, **kw: launch_suite(fork_server, suite, world_size, root, **kw)
 
 
 _trainer_runs_wanted: set[str] = set()
@@ -72,11 +79,11 @@ def pytest_collection_finish(session):
 
 
 @pytest.fixture(scope="session")
-def trainer_log(tmp_path_factory):
+def trainer_log(tmp_path_factory, fork_server):
     """``trainer_log(NAME)``: the log of trainer run NAME (``trainer_runs.py``), launched on
     first use together with every other selected run of its world size."""
     from trainer_runs import BatchLauncher
 
-    launcher = BatchLauncher(tmp_path_factory.mktemp("trainer"))
+    launcher = BatchLauncher(tmp_path_factory.mktemp("trainer"), fork_server)
     launcher.want(_trainer_runs_wanted)
     return launcher.get

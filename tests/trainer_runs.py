@@ -15,12 +15,11 @@ on-disk compile caches).
 import json
 import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from fork_launch import LAUNCH_ENV, ForkServer
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS_DIR = REPO / "tests"
@@ -129,6 +128,7 @@ def launch_stage(run: TrainerRun) -> int:
 @dataclass
 class BatchLauncher:
     root: Path
+    server: ForkServer
     wanted: set[str] = field(default_factory=set)  # runs the selected tests need
     _logs: dict[str, TrainerLog] = field(default_factory=dict)
     _failures: dict[str, str] = field(default_factory=dict)
@@ -210,18 +210,9 @@ class BatchLauncher:
         names = "-".join(sorted(r.name for r in batch))[:80]
         spec_path = self.root / f"batch-w{run.ranks}-{len(self._logs)}-{names}.json"
         spec_path.write_text(json.dumps({"runs": specs}, indent=1))
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-        cmd = [
-            sys.executable,
-            str(TESTS_DIR / "fork_launch.py"),
-            f"--nproc={run.ranks}",
-            "--preimport=torchtitan.train",
-            str(TESTS_DIR / "trainer_batch.py"),
-            str(spec_path),
-        ]
-        proc = subprocess.run(
-            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600 * len(batch)
-        )
+        env = dict(os.environ, **LAUNCH_ENV)
+        args = [f"--nproc={run.ranks}", str(TESTS_DIR / "trainer_batch.py"), str(spec_path)]
+        proc = self.server.run(args, env, REPO, timeout=600 * len(batch))
         for r in batch:
             log_path = self.out(r.name) / f"rank{r.log_rank}.log"
             text = log_path.read_text() if log_path.exists() else ""
