@@ -163,6 +163,8 @@ def serve(socket_path: str, preimport: str, scripts: list[str]) -> None:
                 code = 1
                 try:
                     code = launch(request["argv"])
+                except BaseException:  # noqa: BLE001 - reported in the launch's output
+                    traceback.print_exc()
                 finally:
                     sys.stdout.flush()
                     sys.stderr.flush()
