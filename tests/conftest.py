@@ -1,9 +1,8 @@
 import json
-import os
 from pathlib import Path
 
 import pytest
-from fork_launch import LAUNCH_ENV, ForkServer
+from fork_launch import ForkServer
 
 TESTS_DIR = Path(__file__).parent
 _launch_cache: dict[tuple[str, int], list[dict]] = {}
@@ -34,7 +33,7 @@ def launch_suite(
     if key not in _launch_cache:
         out_dir = tmp_root / f"{launched}-w{world_size}"
         out_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, DIST_TIMEOUT_S=str(timeout_s), **LAUNCH_ENV, **(env or {}))
+        env = dict(DIST_TIMEOUT_S=str(timeout_s), **(env or {}))
         args = [f"--nproc={world_size}", str(TESTS_DIR / "dist_worker.py"), launched, str(out_dir)]
         proc = server.run(args, env, TESTS_DIR.parent, timeout=timeout_s * 3)
         results = []

@@ -179,7 +179,8 @@ def serve(socket_path: str, preimport: str, scripts: list[str]) -> None:
 
 class ForkServer:
     """The pytest side: starts ``serve`` on first use; ``run`` is ``subprocess.run`` of this
-    file's command line, with the output captured."""
+    file's command line in the test process's environment with LAUNCH_ENV and ``env`` on top,
+    the output captured."""
 
     def __init__(self, folder: Path, preimport: str, scripts: list[str]):
         self.folder, self.preimport, self.scripts = folder, preimport, scripts
@@ -211,6 +212,7 @@ class ForkServer:
                 time.sleep(0.2)
 
     def run(self, argv: list[str], env: dict[str, str], cwd, timeout: float):
+        env = dict(os.environ, **LAUNCH_ENV, **env)
         self.launches += 1
         out = {name: self.folder / f"launch{self.launches}.{name}" for name in ("stdout", "stderr")}
         request = {"argv": argv, "env": env, "cwd": str(cwd), **{k: str(v) for k, v in out.items()}}

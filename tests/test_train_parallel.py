@@ -119,14 +119,19 @@ def test_parallelism_trains_tracking_bf16(case, trainer_log):
 # launched twice on one cache folder writes no graph and trains the same both times. Only the
 # loss is compiled: a few inductor kernels, not a transformer block's 40-50.
 CACHE_ARGS = [f"--training.steps={STEPS}", TP2, COMPILE, "--compile.components=loss", TWO_LAYERS]
-CACHE = {"TORCHINDUCTOR_CACHE_DIR": "{out[tp2_compiled_loss_first_launch]}/inductor"}
-FIRST_LAUNCH = trainer_run("tp2_compiled_loss_first_launch", 2, DEBUG, *CACHE_ARGS, env=CACHE)
+FIRST_LAUNCH = trainer_run(
+    "tp2_compiled_loss_first_launch",
+    2,
+    DEBUG,
+    *CACHE_ARGS,
+    env={"TORCHINDUCTOR_CACHE_DIR": "{out}/inductor"},
+)
 SECOND_LAUNCH = trainer_run(
     "tp2_compiled_loss_second_launch",
     2,
     DEBUG,
     *CACHE_ARGS,
-    env=CACHE,
+    env={"TORCHINDUCTOR_CACHE_DIR": f"{{out[{FIRST_LAUNCH}]}}/inductor"},
     after=(FIRST_LAUNCH,),
     fresh_process=True,
 )

@@ -13,13 +13,12 @@ on-disk compile caches).
 """
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from fork_launch import LAUNCH_ENV, ForkServer
+from fork_launch import ForkServer
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS_DIR = REPO / "tests"
@@ -210,9 +209,8 @@ class BatchLauncher:
         names = "-".join(sorted(r.name for r in batch))[:80]
         spec_path = self.root / f"batch-w{run.ranks}-{len(self._logs)}-{names}.json"
         spec_path.write_text(json.dumps({"runs": specs}, indent=1))
-        env = dict(os.environ, **LAUNCH_ENV)
         args = [f"--nproc={run.ranks}", str(TESTS_DIR / "trainer_batch.py"), str(spec_path)]
-        proc = self.server.run(args, env, REPO, timeout=600 * len(batch))
+        proc = self.server.run(args, {}, REPO, timeout=600 * len(batch))
         for r in batch:
             log_path = self.out(r.name) / f"rank{r.log_rank}.log"
             text = log_path.read_text() if log_path.exists() else ""
