@@ -1,4 +1,7 @@
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -68,6 +71,17 @@ def dist_results(tmp_path_factory, fork_server):
 
 
 _trainer_runs_wanted: set[str] = set()
+
+
+def pytest_configure(config):
+    """torch.compile's on-disk caches start empty every session, as on a fresh CI machine: a
+    kernel compiled by an earlier session can neither hide a compile failure nor its cost.
+    (Trainer runs that compile set their own folder.)"""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchinductor-tests-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_finish(session):

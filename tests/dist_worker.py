@@ -268,7 +268,8 @@ def suite_reshape(mesh) -> dict:
     from torchtitan.protocols.train_spec import get_train_spec
 
     checkpoint = os.environ["CHECKPOINT"]
-    model, model_args, _, _ = _fsdp_llama4("llama4_grouped_shared")
+    # The trainer run's flavor: two of the debug model's layers (tests/trainer_batch.py).
+    model, model_args, _, _ = _fsdp_llama4("llama4_grouped_shared", n_layers=2)
     with torch.no_grad():  # for the buffers (rope); the checkpoint holds every parameter
         model.init_weights(buffer_device=torch.device("cpu"))
     state = model.state_dict()

@@ -41,13 +41,11 @@ def _rows(pattern: str, out: str) -> list[str]:
     return re.findall(pattern, out, flags=re.MULTILINE)
 
 
-@pytest.mark.slow  # the command line in a process of its own: about 12 s of imports
-def test_seed_config_at_8_ranks_prints_the_padding_plan():
+def test_seed_config_at_8_ranks_prints_the_padding_plan(capsys):
     """The seed bug's layout: ranks 1-7 hold only padding of every [1, ...] shared-expert
     weight; the 8 routed experts split one per rank."""
-    proc = _preflight_process("--config", SEED_CONFIG, "--ngpu", "8")
-    out = proc.stdout
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rc, out, err = _preflight(capsys, "--config", SEED_CONFIG, "--ngpu", "8")
+    assert rc == 0, out + err
     assert "world size 8 = dp_replicate 1 x dp_shard 8 x cp 1 x tp 1 x pp 1" in out
     assert "FSDP degree 8 (dp_shard x cp), ep 1, etp 1" in out
     # columns: FQN, logical shape, FSDP degree, shard dim, rows/rank, padding-only ranks,
