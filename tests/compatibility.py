@@ -81,11 +81,12 @@ ROWS = [
         ],
     ),
     (
-        "Tensor parallelism with torch.compile and `selective` op activation checkpointing, on CPU",
+        "Tensor parallelism with the model compiled, on CPU, other than with FSDP and AC "
+        "`none`: activation checkpointing `selective` or `full`, or TP without FSDP",
         REFUSED,
         "fails in torch 2.13 itself on CPU (bf16 too); not tried on GPUs; the error names the "
-        "options",
-        ["test_converter.py::test_tensor_parallel_compile_selective_op_ac_is_refused_on_cpu"],
+        "options that train",
+        ["test_converter.py::test_tensor_parallel_compile_is_refused_on_cpu_where_torch_fails"],
     ),
     (
         "Expert parallelism with `selective` op activation checkpointing, on CPU",

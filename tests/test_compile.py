@@ -2,6 +2,7 @@
 the way torchtitan compiles Llama4 (the routed-expert function and the shared expert), and over
 an expert weight all-gathered as fp8 payloads."""
 
+import pytest
 import torch
 import torch._inductor.config
 from expert_modules import (
@@ -13,6 +14,9 @@ from expert_modules import (
 from torchtitan.models.moe.moe import _run_experts_grouped_mm
 
 from torchtitan_fp8_moe.weight import Float8MoEWeight
+
+# Inductor's C++ compilation: about 45 s on 2 cores from an empty cache, as every session starts.
+pytestmark = pytest.mark.slow
 
 
 def _fwd_bwd(fn, module, kind, dim0):

@@ -191,21 +191,31 @@ def test_expert_parallel_selective_op_ac_is_refused_on_cpu():
     _convert(args + ["--activation_checkpoint.mode=full"], _parallel_dims(ep=2))
 
 
-def test_tensor_parallel_compile_selective_op_ac_is_refused_on_cpu():
-    """torch 2.13 fails TP x compile x selective op AC on CPU in bf16 too; without compile, with
-    only the loss compiled (trains in bf16 on 2 CPU ranks), or with full AC, it converts."""
+def test_tensor_parallel_compile_is_refused_on_cpu_where_torch_fails():
+    """torch 2.13 on CPU, bf16 too: the model compiled under TP fails with selective op AC or
+    AC full (TP 2 x FSDP 2, 4 ranks), and with TP alone under any AC (2 ranks); it trains with
+    FSDP as well and AC none (test_train_parallel.py), with only the loss compiled (TP alone,
+    2 ranks), and without compile."""
     args = [
         CUSTOM_CONFIG,
         "--model.converters=float8_moe",
         "--parallelism.tensor_parallel_degree=2",
-        "--activation_checkpoint.mode=selective",
-        "--activation_checkpoint.selective_ac_option=op",
     ]
-    with pytest.raises(ValueError, match=r"tensor_parallel_degree = 2 with compile.enable"):
-        _convert(args + ["--compile.enable"], _parallel_dims(tp=2))
-    _convert(args, _parallel_dims(tp=2))
-    _convert(args + ["--compile.enable", "--compile.components=loss"], _parallel_dims(tp=2))
-    _convert(args + ["--compile.enable", "--activation_checkpoint.mode=full"], _parallel_dims(tp=2))
+    compiled = [*args, "--compile.enable"]
+    tp_fsdp, tp_alone = _parallel_dims(world_size=4, tp=2), _parallel_dims(world_size=2, tp=2)
+    for ac, dims, message in [
+        (["--activation_checkpoint.mode=selective"], tp_fsdp, r'mode = "selective" fails'),
+        (["--activation_checkpoint.mode=full"], tp_fsdp, r'mode = "full" fails'),
+        (["--activation_checkpoint.mode=none"], tp_alone, r"= 2 without FSDP with compile"),
+        (["--activation_checkpoint.mode=full"], tp_alone, r"= 2 without FSDP with compile"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            _convert(compiled + ac, dims)
+    _convert(compiled + ["--activation_checkpoint.mode=none"], tp_fsdp)
+    _convert(
+        compiled + ["--activation_checkpoint.mode=full", "--compile.components=loss"], tp_alone
+    )
+    _convert([*args, "--activation_checkpoint.mode=selective"], tp_alone)
 
 
 def test_float8_linear_converter_claiming_shared_experts_is_refused():
