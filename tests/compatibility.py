@@ -82,7 +82,8 @@ ROWS = [
     ),
     (
         "Tensor parallelism with the model compiled, on CPU, other than with FSDP and AC "
-        "`none`: activation checkpointing `selective` or `full`, or TP without FSDP",
+        "`none` or selective per layer: `selective` op or `full` activation checkpointing, or "
+        "TP without FSDP",
         REFUSED,
         "fails in torch 2.13 itself on CPU (bf16 too); not tried on GPUs; the error names the "
         "options that train",

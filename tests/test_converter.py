@@ -194,8 +194,8 @@ def test_expert_parallel_selective_op_ac_is_refused_on_cpu():
 def test_tensor_parallel_compile_is_refused_on_cpu_where_torch_fails():
     """torch 2.13 on CPU, bf16 too: the model compiled under TP fails with selective op AC or
     AC full (TP 2 x FSDP 2, 4 ranks), and with TP alone under any AC (2 ranks); it trains with
-    FSDP as well and AC none (test_train_parallel.py), with only the loss compiled (TP alone,
-    2 ranks), and without compile."""
+    FSDP as well and AC none (test_train_parallel.py) or selective per layer (bf16 and fp8, 4
+    ranks, by hand), with only the loss compiled (TP alone, 2 ranks), and without compile."""
     args = [
         CUSTOM_CONFIG,
         "--model.converters=float8_moe",
@@ -204,7 +204,14 @@ def test_tensor_parallel_compile_is_refused_on_cpu_where_torch_fails():
     compiled = [*args, "--compile.enable"]
     tp_fsdp, tp_alone = _parallel_dims(world_size=4, tp=2), _parallel_dims(world_size=2, tp=2)
     for ac, dims, message in [
-        (["--activation_checkpoint.mode=selective"], tp_fsdp, r'mode = "selective" fails'),
+        (
+            [
+                "--activation_checkpoint.mode=selective",
+                "--activation_checkpoint.selective_ac_option=op",
+            ],
+            tp_fsdp,
+            r'mode = "selective", selective_ac_option = "op" fails',
+        ),
         (["--activation_checkpoint.mode=full"], tp_fsdp, r'mode = "full" fails'),
         (["--activation_checkpoint.mode=none"], tp_alone, r"= 2 without FSDP with compile"),
         (["--activation_checkpoint.mode=full"], tp_alone, r"= 2 without FSDP with compile"),
@@ -212,6 +219,11 @@ def test_tensor_parallel_compile_is_refused_on_cpu_where_torch_fails():
         with pytest.raises(ValueError, match=message):
             _convert(compiled + ac, dims)
     _convert(compiled + ["--activation_checkpoint.mode=none"], tp_fsdp)
+    layer_ac = [
+        "--activation_checkpoint.mode=selective",
+        "--activation_checkpoint.selective_ac_option=2",
+    ]
+    _convert(compiled + layer_ac, tp_fsdp)
     _convert(
         compiled + ["--activation_checkpoint.mode=full", "--compile.components=loss"], tp_alone
     )

@@ -29,8 +29,9 @@ SMALL = [
     "--metrics.disable_color_printing",
 ]
 # Most runs train 2 of the llama4 debug model's 6 layers, one dense and one MoE (the flavor
-# tests/trainer_batch.py registers): 4-5 s a 4-rank run instead of 11-16 s, 16 s instead of 51 s
-# the seed's 8-rank run. Six layers: the README job, the bf16-vs-fp8 curves, the model families.
+# tests/trainer_batch.py registers): 4-5 s a 4-rank run instead of 11-16 s, 16-21 s instead of
+# 51 s the seed's 8-rank run. Six layers: the README job, the bf16-vs-fp8 curves, the model
+# families.
 TWO_LAYERS = "--model.flavor=debugmodel_2layers"
 
 

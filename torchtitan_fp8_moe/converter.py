@@ -41,19 +41,22 @@ def _check_cpu_composition(job_config: JobConfig, parallel_dims: ParallelDims) -
     ac = job_config.activation_checkpoint
     selective_op_ac = ac.mode == "selective" and ac.selective_ac_option == "op"
     compiled_model = job_config.compile.enable and "model" in job_config.compile.components
-    # Measured in bf16 on 2-4 CPU ranks: TP 2 x FSDP 2 with AC none trains; TP alone (any AC),
-    # AC full and selective op AC fail.
-    tensor_parallel_compile_trains = ac.mode == "none" and parallel_dims.fsdp_enabled
+    # Measured in bf16 on 2-4 CPU ranks: TP 2 x FSDP 2 with AC none or selective per layer
+    # trains; TP alone (any AC), AC full and selective op AC fail.
+    layer_or_no_ac = ac.mode == "none" or (ac.mode == "selective" and not selective_op_ac)
+    tensor_parallel_compile_trains = layer_or_no_ac and parallel_dims.fsdp_enabled
     if parallel_dims.tp > 1 and compiled_model and not tensor_parallel_compile_trains:
         without_fsdp = "" if parallel_dims.fsdp_enabled else " without FSDP"
+        op_ac = ', selective_ac_option = "op"' if selective_op_ac else ""
         raise ValueError(
             f"float8_moe: parallelism.tensor_parallel_degree = {parallel_dims.tp}{without_fsdp} "
             'with compile.enable (compile.components with "model") and '
-            f'activation_checkpoint.mode = "{ac.mode}" fails on CPU with torch 2.13, in bf16 '
-            'too (AOTAutograd: "expected all tensors_saved_with_vc_check to be Tensors", or '
-            "DTensor's backward handed a plain tensor); not tried on GPUs. On CPU it trains "
+            f'activation_checkpoint.mode = "{ac.mode}"{op_ac} fails on CPU with torch 2.13, in '
+            'bf16 too (AOTAutograd: "expected all tensors_saved_with_vc_check to be Tensors", '
+            "or DTensor's backward handed a plain tensor); not tried on GPUs. On CPU it trains "
             "with FSDP as well (data_parallel_shard_degree > 1) and activation_checkpoint.mode "
-            '= "none", with only the loss compiled, or without compile.'
+            '= "none" or "selective" with a layer count as selective_ac_option, with only the '
+            "loss compiled, or without compile."
         )
     if parallel_dims.ep > 1 and selective_op_ac:
         raise ValueError(
