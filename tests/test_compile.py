@@ -4,6 +4,7 @@ an expert weight all-gathered as fp8 payloads."""
 
 import pytest
 import torch
+import torch._dynamo.config
 import torch._inductor.config
 from expert_modules import (
     build_expert_module,
@@ -29,9 +30,11 @@ def _fwd_bwd(fn, module, kind, dim0):
     return out.detach(), x.grad, grads
 
 
-def test_compiled_experts_equal_eager(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
-    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+# torch's own config patches: pytest 9.2's monkeypatch undo deletes a config module's entry
+# instead of restoring it, which breaks every later test that reads it.
+@torch._dynamo.config.patch(capture_scalar_outputs=True)
+@torch._inductor.config.patch(emulate_precision_casts=True)
+def test_compiled_experts_equal_eager():
     # Inductor lowers the routed experts; the shared experts, which run the same quantization
     # and GEMM ops, are traced by dynamo and AOTAutograd (aot_eager): each inductor case costs
     # about 30 s of C++ compilation on 2 cores, and the README job compiled (test_train.py)

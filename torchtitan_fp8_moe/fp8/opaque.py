@@ -12,7 +12,8 @@ def compile_opaque(name: str, fn: Callable, fake: Callable) -> Callable:
     Triton launch (or a grouped mm whose shape rule takes bf16 only). Eager calls on plain
     tensors run ``fn`` itself: the custom op's dispatch costs about 0.2 ms of host time per call,
     and a routed projection's forward and backward make five calls, more host time than its
-    kernels take on an H200 under tensor parallelism (docs/benchmarks/h200_2026-12-01b.md).
+    kernels take on an H200 under tensor parallelism
+    (docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time/).
     Meta tensors (pipeline shape inference), fake tensors and other subclasses go through the op,
     which has their rules."""
     op = torch.library.custom_op(f"torchtitan_fp8_moe::{name}", fn, mutates_args=())

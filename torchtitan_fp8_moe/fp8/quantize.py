@@ -25,7 +25,8 @@ def amax_along(x: torch.Tensor, dim: int) -> torch.Tensor:
     x = x.detach()
     if x.is_cuda:
         # The inf-norm is one pass; amax and amin are two, 2x slower on an H200
-        # (docs/benchmarks/h200_2026-12-01b.md), though 4x faster than it on CPU.
+        # (docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time/), though 4x faster
+        # than it on CPU.
         return torch.linalg.vector_norm(x, ord=float("inf"), dim=dim).float()
     return torch.maximum(x.amax(dim=dim), -x.amin(dim=dim)).float()
 

@@ -5,11 +5,11 @@ and ``grad [M, N]`` get one scale per (group, column), over the group's rows, an
 column-major for the GEMM. torchao 0.18's kernel for this autotunes 36 configurations keyed on
 the token count M: every new M (each step under expert parallelism, where the tokens a rank
 receives vary) re-benchmarks all of them, which made an EP 2 training step on two H200s about
-20x slower than bf16 (docs/benchmarks/h200x2_2026-11-30.md), and every first M costs seconds of
-compilation. This kernel has one fixed configuration and no autotuning: it compiles once per
-dtype and is launched as is for any M. Same rules as ``quantize.py`` (largest power-of-2 scale
-that keeps the amax in fp8 range, saturating cast, NaN stays NaN). Rows past the last offset
-are neither read nor written.
+20x slower than bf16 (docs/benchmarks/archive/2026-11-30-deepseek-check-ep-tp/), and every
+first M costs seconds of compilation. This kernel has one fixed configuration and no
+autotuning: it compiles once per dtype and is launched as is for any M. Same rules as
+``quantize.py`` (largest power-of-2 scale that keeps the amax in fp8 range, saturating cast, NaN
+stays NaN). Rows past the last offset are neither read nor written.
 """
 
 import torch
@@ -21,8 +21,9 @@ from .quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
 # Tile: BLOCK_ROWS tokens x BLOCK_COLS columns; one program per (column block, group). Chosen by
-# `scripts/bench_quantize.py --sweep` on an H200 (docs/benchmarks/h200x2_2026-11-30b.md): the
-# fastest of 7 tiles for even and skewed routing, where one group's programs stream most tokens.
+# `scripts/bench_quantize.py --sweep` on an H200
+# (docs/benchmarks/archive/2026-11-30-per-group-kernel/): the fastest of 7 tiles for even and
+# skewed routing, where one group's programs stream most tokens.
 BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 256, 64, 8
 
 

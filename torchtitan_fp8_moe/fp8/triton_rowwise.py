@@ -1,11 +1,12 @@
 """Our own Triton kernel for rowwise fp8 quantization along a tensor's contiguous last dim.
 
 torchao's rowwise kernels read each row twice (once for the amax, once for the cast) and reached
-about 0.9 TB/s on an H200 for Llama4 activations (docs/benchmarks/README.md). Here a program
-holds whole rows in registers, so each row is read once: amax, power-of-2 scale and cast in one
-pass. Same rules as ``quantize.py``: the scale is the largest power of two that keeps the row's
-amax within fp8 range (taken from the float's exponent bits, so it is exact), values saturate at
-+-FP8_MAX, and NaN stays NaN. CUDA only.
+about 0.9 TB/s on an H200 for Llama4 activations
+(docs/benchmarks/archive/2026-11-29-first-h200-runs/). Here a program holds whole rows in registers,
+so each row is read once: amax, power-of-2 scale and cast in one pass. Same rules as
+``quantize.py``: the scale is the largest power of two that keeps the row's amax within fp8 range
+(taken from the float's exponent bits, so it is exact), values saturate at +-FP8_MAX, and NaN stays
+NaN. CUDA only.
 
 For an expert weight (rows of the stored ``[G, N, K]``, scales over K) the same pass also takes
 each group's amax along N, per column k: the scales of the weight's other orientation (scales
@@ -30,11 +31,11 @@ MAX_TILE = 32768
 # A weight program casts ROW_TILES tiles of TILE_ROWS rows, so that its column amax goes to
 # memory (one atomic max per column) once per TILE_ROWS * ROW_TILES rows, not per row. The
 # fastest of 7 shapes on an H200 (`scripts/bench_quantize.py --weights-only --sweep`,
-# docs/benchmarks/h200_2026-11-30c.md): 0.75 ms for a Scout routed weight, against 0.54 ms for
-# the cast alone; the transposed cast that uses the amax then takes 0.49 ms instead of
-# torchao's 0.85 ms. Small weights too (a shared expert, a TP 8 shard): one tile per program,
-# to spread them over more programs, was 1.3-3.5x slower on the H200
-# (docs/benchmarks/h200_2026-12-01.md).
+# docs/benchmarks/archive/2026-11-30-transposed-weight-cast/): 0.75 ms for a Scout routed
+# weight, against 0.54 ms for the cast alone; the transposed cast that uses the amax then takes
+# 0.49 ms instead of torchao's 0.85 ms. Small weights too (a shared expert, a TP 8 shard): one
+# tile per program, to spread them over more programs, was 1.3-3.5x slower on the H200
+# (docs/benchmarks/archive/2026-12-01-weight-cast-launches/).
 TILE_ROWS, ROW_TILES = 4, 16
 
 

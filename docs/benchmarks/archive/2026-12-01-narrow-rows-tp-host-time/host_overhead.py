@@ -3,7 +3,7 @@ float8_moe at a token count small enough that the GPU waits for the host (M=256)
 shape of M=16384 (16 experts, 5120 -> 1024). Prints wall ms per call (median of 5 timings of 20
 calls each, synchronized) and a cProfile of 20 float8_moe calls (top functions by own time).
 
-    python3 docs/benchmarks/h200_2026-12-01b/host_overhead.py OUT.json
+    python3 docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time/host_overhead.py OUT.json
 """
 
 import cProfile

@@ -1,7 +1,7 @@
 """Where the ~1.5 ms per forward + backward of a small routed projection goes (M=256, TP 8
 shape): torch profiler over 20 calls, host and device, bf16 and float8_moe.
 
-    python3 docs/benchmarks/h200_2026-12-01b/host_profile.py OUT.txt
+    python3 docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time/host_profile.py OUT.txt
 """
 
 import sys
@@ -9,7 +9,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, "docs/benchmarks/h200_2026-12-01b")
+sys.path.insert(0, "docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time")
 from host_overhead import projection  # noqa: E402
 
 with open(sys.argv[1], "w") as out:

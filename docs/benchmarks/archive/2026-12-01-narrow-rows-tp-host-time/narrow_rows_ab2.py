@@ -4,7 +4,7 @@ tiles (TILE_ROWS = MAX_TILE // row block), and the cast alone (one row per progr
 column amax in torch: amax and amin (two passes) or ``linalg.vector_norm(ord=inf)`` (one pass).
 Five do_bench medians each (ms).
 
-    python3 docs/benchmarks/h200_2026-12-01b/narrow_rows_ab2.py OUT.json
+    python3 docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time/narrow_rows_ab2.py OUT.json
 """
 
 import json

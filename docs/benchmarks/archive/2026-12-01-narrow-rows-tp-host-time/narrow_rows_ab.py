@@ -3,7 +3,7 @@ the fused kernel (amax taken in the cast; the only path before the narrow-row ru
 other tiles, and the cast alone (one row per program) followed by torch's amax and amin over N.
 Five do_bench medians each (ms).
 
-    python3 docs/benchmarks/h200_2026-12-01b/narrow_rows_ab.py OUT.json
+    python3 docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time/narrow_rows_ab.py OUT.json
 """
 
 import json
