@@ -11,11 +11,16 @@ that raises leaves the ranks out of step: the suites after it do not run.
 import datetime
 import json
 import os
+import shutil
 import sys
+import tempfile
 import traceback
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -47,6 +52,52 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._data if hasattr(t, "_data") else t
 
 
+def _state_dicts(module) -> dict[str, dict]:
+    """The state dicts a trainer takes once, before its first step, and saves from ever after:
+    torchtitan's (``get_model_state_dict``) and ``Module.state_dict()``."""
+    return {"get_model_state_dict": get_model_state_dict(module), "state_dict": module.state_dict()}
+
+
+def _stale_entries(module, state_dicts: dict[str, dict]) -> list[str]:
+    """The entries whose local values are not the live parameter's."""
+    return [
+        f"{kind}[{name}]"
+        for kind, state_dict in state_dicts.items()
+        for name, param in module.named_parameters()
+        if not torch.equal(_local(state_dict[name]), _local(param))
+    ]
+
+
+def _shared_folder() -> str:
+    """A new temporary folder, the same on every rank."""
+    folder = [tempfile.mkdtemp(prefix="dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    return folder[0]
+
+
+def _saved_and_reloaded(module, state_dict: dict) -> dict[str, torch.Tensor]:
+    """Save ``state_dict`` with DCP, read the checkpoint back as whole plain tensors (what a
+    model without the plugin loads), overwrite the live weights, and load the checkpoint into
+    ``state_dict`` and the module as torchtitan's resume does (``dcp.load`` into the saved
+    state dict, then ``set_model_state_dict``)."""
+    folder = _shared_folder()
+    dcp.save(state_dict, checkpoint_id=folder)
+    dist.barrier()
+    whole = f"{folder}-rank{dist.get_rank()}.pt"
+    dcp_to_torch_save(folder, whole)
+    saved = torch.load(whole, weights_only=True)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.mul_(-3.0)
+    dcp.load(state_dict, checkpoint_id=folder)
+    set_model_state_dict(module, state_dict)
+    os.remove(whole)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder)
+    return saved
+
+
 def _run_fsdp_case(case: dict, mesh) -> dict:
     """Train a converted expert module sharded and unsharded side by side and measure the gap."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -61,6 +112,8 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
         reshard_after_forward=case["reshard_after_forward"],
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
     )
+    # Taken before the first forward (FSDP's lazy init), as torchtitan's checkpointer does.
+    state_dicts = _state_dicts(sharded)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     sharded_opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
     names = [n for n, _ in ref.named_parameters()]
@@ -89,7 +142,7 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
         )
         result["padded_rows"][name] = padded.shape[0]
 
-    for step in range(STEPS):
+    def train_step(step: int):
         for micro in range(MICRO_BATCHES):  # gradient accumulation
             x, routing, target = expert_inputs(case["kind"], case["dim0"], step * 2 + micro)
             x_ref = x.to(param_dtype).detach().requires_grad_()
@@ -114,6 +167,14 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
             diffs["param"] = max(
                 diffs["param"], _max_diff(_local(sharded.get_parameter(name)), expected)
             )
+
+    for step in range(STEPS):
+        train_step(step)
+    result["stale_after_training"] = _stale_entries(sharded, state_dicts)
+    saved = _saved_and_reloaded(sharded, state_dicts["get_model_state_dict"])
+    diffs["saved"] = max(_max_diff(saved[n], p.detach()._data) for n, p in ref.named_parameters())
+    train_step(STEPS)  # a step after the load: the state dicts must follow it too
+    result["stale_after_load"] = _stale_entries(sharded, state_dicts)
     check_gathered(exact=False)
     # DTensor.full_tensor(), a collective that every rank joins (padding-only ranks too): the
     # whole weight without the padding, still converted.
@@ -714,12 +775,14 @@ def _train_fp8_all_gather(case: dict, module, steps: int = 3, micro_batches: int
 def _run_fp8_all_gather_case(case: dict, mesh) -> dict:
     off = _fp8_all_gather_module(case, mesh, False)
     on = _fp8_all_gather_module(case, mesh, True)
+    state_dicts = _state_dicts(on)  # before the first forward, as torchtitan's checkpointer
     expected, actual = _train_fp8_all_gather(case, off), _train_fp8_all_gather(case, on)
     result = {
+        "stale_state_dict_entries": _stale_entries(on, state_dicts),
         "equal": {
             what: all(torch.equal(a, b) for a, b in zip(expected[what], actual[what], strict=True))
             for what in expected
-        }
+        },
     }
     if case["cache_fp8"]:
         result["fp8_cache_quantizations"] = {

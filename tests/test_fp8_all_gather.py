@@ -4,7 +4,8 @@ gradient shards after the reduce-scatter and weights after each of 3 AdamW steps
 each), with and without the fp8 weight cache, resharding after forward or not, with activation
 checkpointing, with ranks holding only padding, DTensor (TP-mesh) weights, and the fallbacks to
 bf16 (2D weights, FSDP on dim 1). The gathered weight holds fp8 payloads only and refuses any
-other use. One world-size-2 case is in the fast loop; every case runs in the two launches."""
+other use; state dicts taken before training hold the live weights after it. One world-size-2
+case is in the fast loop; every case runs in the two launches."""
 
 import logging
 
@@ -27,6 +28,7 @@ def _check_case(ranks: list[dict], case: dict) -> None:
         assert result is not None, f"rank {rank} did not reach {case['name']}"
         assert result.get("error") is None, f"rank {rank}: {result.get('traceback')}"
         assert all(result["equal"].values()), f"rank {rank}: differs from bf16: {result['equal']}"
+        assert result["stale_state_dict_entries"] == [], f"rank {rank}: not the live weights"
         report = result["report"]
         for name, dtypes in report["input_dtypes"].items():
             if case["fp8_gathered"]:

@@ -1,6 +1,8 @@
 """FSDP2 over gloo at world sizes 1-8: converted expert weights whose dim 0 splits unevenly
 train exactly like the same converted module unsharded, and `full_tensor()` gathers them whole
-(ranks holding only padding included)."""
+(ranks holding only padding included). State dicts taken before the first step, as torchtitan
+takes its checkpoint's, hold the live weights after training and after a load, and a DCP save
+from them holds the unsharded model's trained weights."""
 
 import pytest
 from dist_worker import STEPS
@@ -8,7 +10,7 @@ from expert_modules import fsdp_cases
 
 from torchtitan_fp8_moe.sharding import rows_per_rank
 
-WORLD_SIZES = [1, 2, 3, 4, 8]
+WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 FAST_WORLD_SIZE = 2  # the fast loop's FSDP case (`pytest -m "not slow"`)
 # Sharded and unsharded run the same emulated fp8 numerics; what differs is FSDP's fp32 gradient
 # averaging over ranks, which rounds at non-power-of-2 world sizes (seen: 1.5e-8).
@@ -34,13 +36,19 @@ def test_uneven_fsdp_matches_unsharded(dist_results, world_size, case):
         assert result["gathered_bitwise"], f"rank {rank}: all-gathered weight != unsharded"
         for what in ("out", "input_grad", "weight_grad", "param", "gathered", "full_tensor"):
             assert result[what] <= TOLERANCE, f"rank {rank}: {what} differs by {result[what]}"
+        # The checkpoint: what DCP saved from the state dict taken before training is the
+        # unsharded model's trained weights, read back as plain whole tensors.
+        assert result["saved"] <= TOLERANCE, f"rank {rank}: saved differs by {result['saved']}"
+        assert result["stale_after_training"] == [], f"rank {rank}: not the live weights"
+        assert result["stale_after_load"] == [], f"rank {rank}: not the live weights after load"
         assert result["wrapped_after_step"], f"rank {rank}: weight lost its fp8 wrapper"
         assert result["full_tensor_converted"], f"rank {rank}: full_tensor() lost the wrapper"
         if case["cache_fp8"]:
             # One quantization per orientation (forward, input gradient) per optimizer step
             # (per expert slice in the for-loop path), though FSDP re-gathers the weight for
             # every micro-batch's forward and backward.
-            expected = STEPS * 2 * (case["dim0"] if case["kind"] == "for_loop" else 1)
+            # (STEPS, then one more after the checkpoint's load)
+            expected = (STEPS + 1) * 2 * (case["dim0"] if case["kind"] == "for_loop" else 1)
             for name, count in result["fp8_cache_quantizations"].items():
                 assert count == expected, f"rank {rank}: {name} quantized {count}x, not {expected}x"
         for name, rows in result["padded_rows"].items():

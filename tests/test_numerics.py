@@ -120,6 +120,38 @@ def test_emulation_shortcuts_give_torchs_own_fp8_conversions():
         assert torch.equal(to_fp8(x, scale).view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("exponent", [-40, -70, -99])
+@pytest.mark.parametrize("tiny", ["weight", "activation"])
+def test_tiny_but_nonzero_values_quantize_like_any_others(tiny, exponent):
+    """Power-of-2 scales make fp8 scale-invariant down to the amax floor: an operand scaled by
+    2**exponent (as small as bf16 holds normal numbers) gives exactly the scaled output and
+    gradients of the unscaled fp8 matmul. (torchao's 1e-12 amax floor turned rows of amax
+    below about 1e-18 into zeros.)"""
+    torch.manual_seed(0)
+    w, x = torch.randn(32, 64).bfloat16(), torch.randn(16, 64).bfloat16()
+    grad = torch.randn(16, 32).bfloat16()
+    factor = 2.0**exponent
+
+    def run(w, x):
+        x = x.clone().requires_grad_()
+        weight = nn.Parameter(Float8MoEWeight(w.clone(), emulate=True))
+        out = F.linear(x, weight)
+        out.backward(grad)
+        return out.float(), x.grad.float(), weight.grad.float()
+
+    out, x_grad, w_grad = run(w, x)
+    if tiny == "weight":
+        tiny_out, tiny_x_grad, tiny_w_grad = run(w * factor, x)
+        assert torch.equal(tiny_x_grad, x_grad * factor)
+        assert torch.equal(tiny_w_grad, w_grad)
+    else:
+        tiny_out, tiny_x_grad, tiny_w_grad = run(w, x * factor)
+        assert torch.equal(tiny_x_grad, x_grad)
+        assert torch.equal(tiny_w_grad, w_grad * factor)
+    assert torch.equal(tiny_out, out * factor)
+    assert tiny_out.abs().min() > 0
+
+
 def test_unsupported_call_form_raises_instead_of_bf16():
     w = Float8MoEWeight(torch.randn(2, 16, 16), emulate=True)
     with pytest.raises(NotImplementedError, match="float8_moe"):

@@ -12,16 +12,10 @@ from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
 from .config import SUPPORTED_RECIPES, Float8MoE
+from .conversion import convert, select_expert_modules
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
-from .sharding import ShardPlanRow, format_plan, plan_expert_weight, with_all_gather
-from .swap import (
-    compact_fqns,
-    describe_non_experts,
-    expert_modules,
-    is_grouped_experts,
-    num_experts,
-    swap_expert_weights,
-)
+from .sharding import ShardPlanRow, format_plan
+from .swap import is_grouped_experts
 from .weight import fp8_kernels_available
 
 # torchtitan's converters for dense linears, and where their exclusion lists live.
@@ -99,8 +93,6 @@ class Float8MoEConverter:
                 f"float8_moe: recipe {config.recipe!r} is not supported; "
                 f"use one of {list(SUPPORTED_RECIPES)}"
             )
-        if not config.fqns:
-            raise ValueError("float8_moe: fqns is empty; name the expert modules to convert")
         self.fqns = list(config.fqns)
         self.cache_fp8_weights = config.cache_fp8_weights
         self.fp8_all_gather = config.fp8_all_gather
@@ -153,28 +145,20 @@ class Float8MoEConverter:
 
     def convert(self, model: nn.Module) -> None:
         """Convert the expert modules (recognised by structure, ``swap.py``) whose FQN contains
-        one of ``fqns``."""
-        candidates = expert_modules(model)
-        targets = [(fqn, m) for fqn, m in candidates if any(p in fqn for p in self.fqns)]
-        if not targets:
-            raise ValueError(self._no_match_message(model, candidates))
+        one of ``fqns`` (``conversion.convert``) and log their shard plan."""
+        targets = select_expert_modules(model, self.fqns)
         for module_fqn, module in targets:
             self._check_not_claimed_by_linear_converters(module_fqn, module)
-        for module_fqn, module in targets:
-            # Routed experts are the grouped ones with several experts (EP splits those); a
-            # grouped [1, out, in] expert or a feed-forward is shared (sharded like the dense
-            # layers).
-            kind = "linear"
-            if is_grouped_experts(module):
-                kind = "routed" if num_experts(module) > 1 else "grouped"
-            swapped = swap_expert_weights(
-                module, self.emulate, self.cache_fp8_weights, self.fp8_all_gather
-            )
-            for name, param in swapped:
-                fqn = f"{module_fqn}.{name}"
-                row = self._plan(fqn, param, kind)
-                self._check_shape(fqn, param, row.local_shape)
-                self.shard_plan.append(row)
+        self.shard_plan = convert(
+            model,
+            fqns=self.fqns,
+            emulate=self.emulate,
+            cache_fp8_weights=self.cache_fp8_weights,
+            fp8_all_gather=self.fp8_all_gather,
+            parallel_dims=self.parallel_dims,
+            all_gather_dtype=self.all_gather_dtype,
+            path=self.path,
+        )
         logger.info(
             f"float8_moe: converted {len(self.shard_plan)} expert weights of "
             f"{len(targets)} modules to fp8 rowwise, {self.path} path ({self.path_reason}), "
@@ -182,33 +166,6 @@ class Float8MoEConverter:
             f"fp8 all-gather {'on' if self.fp8_all_gather else 'off'}; FSDP shard plan:\n"
             + format_plan(self.shard_plan)
         )
-
-    def _no_match_message(self, model: nn.Module, candidates: list[tuple[str, nn.Module]]) -> str:
-        """What was looked at and why nothing converts: the expert modules the fqns missed,
-        then every other module holding parameters, grouped by class."""
-        fix = (
-            "set float8_moe.fqns to substrings of those FQNs"
-            if candidates
-            else "the model has none; leave float8_moe out of model.converters for it"
-        )
-        lines = [
-            f"float8_moe: fqns {self.fqns} match none of the model's expert modules "
-            f"{[fqn for fqn, _ in candidates]}; {fix}. Modules looked at, by class:"
-        ]
-        by_class: dict[str, list[str]] = {}
-        for fqn, module in candidates:
-            by_class.setdefault(type(module).__name__, []).append(fqn)
-        for cls, fqns in by_class.items():
-            lines.append(
-                f"  {cls} x{len(fqns)} ({compact_fqns(fqns)}): expert module, FQN matches "
-                "none of float8_moe.fqns"
-            )
-        lines += [f"  {line}" for line in describe_non_experts(model)]
-        lines.append(
-            "  (expert modules are: >= 2 floating 3D [E, out, in] parameters with one E and no "
-            "parameter above 3D (grouped experts), or nn.Linear children w1/w2/w3)"
-        )
-        return "\n".join(lines)
 
     def _check_not_claimed_by_linear_converters(self, module_fqn: str, module: nn.Module):
         if is_grouped_experts(module):
@@ -220,26 +177,6 @@ class Float8MoEConverter:
                     f"it to one converter: add '{module_fqn.split('.')[-1]}' to "
                     f"{name}.filter_fqns, or leave it out of float8_moe.fqns"
                 )
-
-    def _check_shape(self, fqn: str, param: torch.Tensor, local_shape: tuple[int, ...]) -> None:
-        """fp8 GEMMs of the shard each rank multiplies need both matrix dims aligned."""
-        if self.emulate:
-            return
-        k, n = local_shape[-1], local_shape[-2]
-        if k % FP8_GROUP_ALIGNMENT_SIZE or n % FP8_GROUP_ALIGNMENT_SIZE:
-            raise ValueError(
-                f"float8_moe: {fqn} has shape {list(param.shape)}, {list(local_shape)} per rank "
-                f"after tensor/expert parallelism; fp8 kernels need both matrix dims to be "
-                f"multiples of {FP8_GROUP_ALIGNMENT_SIZE}. Leave it out of float8_moe.fqns or "
-                "lower parallelism.tensor_parallel_degree."
-            )
-
-    def _plan(self, fqn: str, param: torch.Tensor, kind: str) -> ShardPlanRow:
-        itemsize = (self.all_gather_dtype or param.dtype).itemsize
-        row = plan_expert_weight(
-            fqn, tuple(param.shape), self.parallel_dims, kind, itemsize, self.path
-        )
-        return with_all_gather(row, self.all_gather_dtype, self.fp8_all_gather)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         # The weights just changed: their fp8 copies are stale (and their memory is freed).

@@ -82,6 +82,27 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(fqn, module) for fqn, module in model.named_modules() if is_expert_module(module)]
 
 
+def dense_feed_forwards(model: nn.Module) -> list[str]:
+    """FQNs of the feed-forwards that are no MoE experts: a shared expert sits beside grouped
+    experts (torchtitan's MoE holds ``experts`` and ``shared_experts``), per-expert
+    feed-forwards sit in a list of several; a transformer block's ``feed_forward`` does
+    neither."""
+    modules = dict(model.named_modules())
+    dense = []
+    for fqn, module in modules.items():
+        if not is_feed_forward(module) or is_grouped_experts(module):
+            continue
+        parent = modules[fqn.rpartition(".")[0]] if fqn else None
+        siblings = list(parent.children()) if parent is not None else []
+        beside_grouped = any(is_grouped_experts(m) for m in siblings)
+        one_of_several = sum(is_feed_forward(m) for m in siblings) > 1 and isinstance(
+            parent, nn.ModuleList | nn.ModuleDict
+        )
+        if not (beside_grouped or one_of_several):
+            dense.append(fqn)
+    return dense
+
+
 def describe_non_experts(model: nn.Module, max_fqns: int = 3) -> list[str]:
     """One line per (class, reason) for the modules holding parameters that are not expert
     modules: ``Linear x12 (layers.0.attention.wq, ...): no 3D [E, out, in] parameters (...)``.

@@ -1,0 +1,79 @@
+"""``torchtitan_fp8_moe.convert``: the public one-call conversion, on torchtitan's Llama4 debug
+model without the trainer, and the fqns it refuses (empty, or matching dense feed-forwards)."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from test_converter import CUSTOM_CONFIG, _convert, _converted_names, _expected, _parallel_dims
+from torchtitan.protocols.train_spec import get_train_spec
+
+from torchtitan_fp8_moe import Float8MoEWeight, convert, format_plan
+from torchtitan_fp8_moe.cpu import enable_moe_ops
+from torchtitan_fp8_moe.fp8.sqnr import sqnr
+
+
+def _llama4(n_layers: int = 2, seed: int = 0):
+    spec = get_train_spec("llama4")
+    model = spec.model_cls(replace(spec.model_args["debugmodel"], n_layers=n_layers))
+    torch.manual_seed(seed)
+    with torch.no_grad():  # as torchtitan's trainer initializes
+        model.init_weights()
+    return model
+
+
+def test_convert_swaps_the_experts_and_trains_within_the_sqnr_bars():
+    enable_moe_ops()  # torchtitan's MoE on CPU (cpu.py)
+    reference, model = _llama4(), _llama4()
+    plan = convert(model, fqns=["experts", "shared_expert"], emulate=True)
+    assert _converted_names(model) == _expected([1], shared=True)
+    assert [row.fqn for row in plan] == [
+        n for n, p in model.named_parameters() if isinstance(p, Float8MoEWeight)
+    ]
+    assert all(row.path == "emulated" and row.fsdp_degree == 1 for row in plan)
+    assert "layers.1.moe.experts.w1" in format_plan(plan)
+    tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
+    out_ref, out = reference(tokens), model(tokens)
+    out_ref.float().square().mean().backward()
+    out.float().square().mean().backward()
+    assert sqnr(out_ref, out) >= 23
+    ref_grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if isinstance(param, Float8MoEWeight):
+            assert sqnr(ref_grads[name].grad, param.grad) >= 21, name
+
+
+def test_convert_plans_the_shards_of_the_parallelism_it_is_given():
+    """8 routed experts over FSDP 3: ceil(8 / 3) = 3 rows a rank, 1 padding row in all."""
+    model = _llama4()
+    plan = {r.fqn: r for r in convert(model, emulate=True, parallel_dims=_parallel_dims(3))}
+    routed = plan["layers.1.moe.experts.w1"]
+    assert (routed.fsdp_degree, routed.rows_per_rank) == (3, math.ceil(8 / 3))
+    assert routed.padding_only_ranks == 0
+    assert routed.padding_bytes == (3 * 3 - 8) * math.prod(routed.shape[1:]) * 4
+
+
+@pytest.mark.parametrize("fqns", [[], [""], ["experts", " "]])
+def test_empty_fqns_are_refused(fqns):
+    with pytest.raises(ValueError, match="empty string, which would match every module"):
+        convert(_llama4(), fqns=fqns)
+
+
+def test_empty_fqns_from_the_command_line_are_refused():
+    with pytest.raises(ValueError, match=r"fqns \[''\] is empty"):
+        _convert([CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns="])
+
+
+def test_dense_feed_forwards_are_refused_with_the_converter_to_use():
+    """Llama4's even layers are dense (``layers.N.feed_forward``); its MoE layers' shared
+    experts sit beside grouped experts and convert."""
+    with pytest.raises(ValueError) as error:
+        _convert([CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns=feed_forward"])
+    message = str(error.value)
+    assert "dense feed-forwards layers.0.feed_forward, layers.2.feed_forward" in message
+    assert "quantize.linear.float8" in message
+    model, _ = _convert(
+        [CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns=shared_experts"]
+    )
+    assert _converted_names(model) == _expected([1, 3], shared=True) - _expected([1, 3], False)

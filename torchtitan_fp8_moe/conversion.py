@@ -1,0 +1,151 @@
+"""``convert``: give a model's MoE expert weights fp8 rowwise training, in one call.
+
+The torchtitan converter (``converter.py``) calls it with the job's settings; without torchtitan's
+trainer, call it on any module tree before parallelizing it::
+
+    from torchtitan_fp8_moe import convert
+    plan = convert(model, fqns=["experts", "shared_experts"])
+
+It picks the expert modules whose FQN contains one of ``fqns`` (``swap.py`` says how expert
+modules are recognised), swaps their weights for ``Float8MoEWeight`` and returns one
+``ShardPlanRow`` per weight: how tensor, expert and FSDP parallelism will split it
+(``sharding.py``).
+"""
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from .sharding import ShardPlanRow, plan_expert_weight, plan_weight, with_all_gather
+from .swap import (
+    compact_fqns,
+    dense_feed_forwards,
+    describe_non_experts,
+    expert_modules,
+    is_grouped_experts,
+    num_experts,
+    swap_expert_weights,
+)
+from .weight import fp8_kernels_available
+
+if TYPE_CHECKING:
+    from torchtitan.distributed import ParallelDims
+
+DEFAULT_FQNS = ("experts", "shared_expert")
+# fp8 GEMMs need both matrix dims of each rank's weight to be multiples of this.
+FP8_MATRIX_ALIGNMENT = 16
+
+
+def convert(
+    model: nn.Module,
+    *,
+    fqns: Sequence[str] = DEFAULT_FQNS,
+    emulate: bool | None = None,
+    cache_fp8_weights: bool = False,
+    fp8_all_gather: bool = False,
+    parallel_dims: "ParallelDims | None" = None,
+    all_gather_dtype: torch.dtype | None = None,
+    path: str | None = None,
+) -> list[ShardPlanRow]:
+    """Convert ``model``'s expert modules in place and return the shard plan of their weights.
+
+    ``fqns``: FQN substrings of the expert modules to convert (none may be empty).
+    ``emulate``: run fp8 numerics emulated (quantize, dequantize, fp32 matmul); None: emulate
+    unless a CUDA device with fp8 tensor cores (sm89+) is present.
+    ``cache_fp8_weights``, ``fp8_all_gather``: ``config.py`` describes them.
+    ``parallel_dims``: torchtitan's ``ParallelDims`` to plan the shards for; None plans one
+    device. ``all_gather_dtype``: the dtype FSDP all-gathers (its ``param_dtype``; None: the
+    weight's). ``path``: the fp8 path's name in the plan (default "emulated" or "cuda").
+    """
+    targets = select_expert_modules(model, fqns)
+    if emulate is None:
+        emulate = not (torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda")))
+    path = path or ("emulated" if emulate else "cuda")
+    plan = []
+    for module_fqn, module in targets:
+        # Routed experts are the grouped ones with several experts (EP splits those); a grouped
+        # [1, out, in] expert or a feed-forward is shared (sharded like the dense layers).
+        kind = "linear"
+        if is_grouped_experts(module):
+            kind = "routed" if num_experts(module) > 1 else "grouped"
+        for name, param in swap_expert_weights(module, emulate, cache_fp8_weights, fp8_all_gather):
+            fqn = f"{module_fqn}.{name}" if module_fqn else name
+            itemsize = (all_gather_dtype or param.dtype).itemsize
+            shape = tuple(param.shape)
+            if parallel_dims is None:
+                row = plan_weight(fqn, shape, 1, 0, itemsize, path)
+            else:
+                row = plan_expert_weight(fqn, shape, parallel_dims, kind, itemsize, path)
+            if not emulate:
+                _check_fp8_shape(fqn, shape, row.local_shape)
+            plan.append(with_all_gather(row, all_gather_dtype, fp8_all_gather))
+    return plan
+
+
+def select_expert_modules(model: nn.Module, fqns: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """(FQN, module) of the expert modules ``convert`` converts; raises, naming what it looked
+    at, when ``fqns`` is empty, matches no expert module, or matches a dense feed-forward."""
+    fqns = list(fqns)
+    if not fqns or any(not f.strip() for f in fqns):
+        raise ValueError(
+            f"float8_moe: fqns {fqns} is empty or holds an empty string, which would match "
+            f"every module; name the expert modules to convert, e.g. {list(DEFAULT_FQNS)}"
+        )
+    candidates = expert_modules(model)
+    dense = [fqn for fqn in dense_feed_forwards(model) if any(f in fqn for f in fqns)]
+    if dense:
+        raise ValueError(
+            f"float8_moe: fqns {fqns} match the dense feed-forwards {compact_fqns(dense)}, which "
+            "are no MoE experts (no grouped experts beside them); float8_moe converts expert "
+            "weights only. Use torchtitan's quantize.linear.float8 converter for dense layers, "
+            f"and narrow fqns to the expert modules {compact_fqns([f for f, _ in candidates])}"
+        )
+    targets = [(fqn, m) for fqn, m in candidates if any(f in fqn for f in fqns)]
+    if not targets:
+        raise ValueError(_no_match_message(model, fqns, candidates))
+    return targets
+
+
+def _no_match_message(
+    model: nn.Module, fqns: list[str], candidates: list[tuple[str, nn.Module]]
+) -> str:
+    """What was looked at and why nothing converts: the expert modules the fqns missed, then
+    every other module holding parameters, grouped by class."""
+    fix = (
+        "set float8_moe.fqns to substrings of those FQNs"
+        if candidates
+        else "the model has none; leave float8_moe out of model.converters for it"
+    )
+    lines = [
+        f"float8_moe: fqns {fqns} match none of the model's expert modules "
+        f"{[fqn for fqn, _ in candidates]}; {fix}. Modules looked at, by class:"
+    ]
+    by_class: dict[str, list[str]] = {}
+    for fqn, module in candidates:
+        by_class.setdefault(type(module).__name__, []).append(fqn)
+    for cls, class_fqns in by_class.items():
+        lines.append(
+            f"  {cls} x{len(class_fqns)} ({compact_fqns(class_fqns)}): expert module, FQN "
+            "matches none of float8_moe.fqns"
+        )
+    lines += [f"  {line}" for line in describe_non_experts(model)]
+    lines.append(
+        "  (expert modules are: >= 2 floating 3D [E, out, in] parameters with one E and no "
+        "parameter above 3D (grouped experts), or nn.Linear children w1/w2/w3 beside grouped "
+        "experts (shared experts))"
+    )
+    return "\n".join(lines)
+
+
+def _check_fp8_shape(fqn: str, shape: tuple[int, ...], local_shape: tuple[int, ...]) -> None:
+    """fp8 GEMMs of the shard each rank multiplies need both matrix dims aligned."""
+    k, n = local_shape[-1], local_shape[-2]
+    if k % FP8_MATRIX_ALIGNMENT or n % FP8_MATRIX_ALIGNMENT:
+        raise ValueError(
+            f"float8_moe: {fqn} has shape {list(shape)}, {list(local_shape)} per rank after "
+            "tensor/expert parallelism; fp8 kernels need both matrix dims to be multiples of "
+            f"{FP8_MATRIX_ALIGNMENT}. Leave it out of float8_moe.fqns or lower "
+            "parallelism.tensor_parallel_degree."
+        )
