@@ -208,3 +208,110 @@ def test_cuda_target_runs_the_fp8_shape_check():
     converter = _tiny_expert_converter("cpu")
     converter.convert(build_expert_module("tiny_routed", 8))
     assert {row.path for row in converter.shard_plan} == {"emulated"}
+
+
+DEBUG_CONFIG = "train_configs/llama4_debug.toml"
+EP = "--parallelism.expert_parallel_degree"
+TWO_EXPERTS = ["--model.name=llama4_grouped_shared", "--model.flavor=debugmodel_2experts"]
+NO_FSDP = [
+    "--parallelism.data_parallel_replicate_degree=2",
+    "--parallelism.data_parallel_shard_degree=1",
+]
+
+# (ranks, overrides, the message): layouts torch or torchtitan rejects at start-up or at step 1
+# (tests/test_preflight_layouts.py checks the verdicts against real launches).
+REFUSED_LAYOUTS = {
+    "EP above the ranks it borrows": (
+        4,
+        [f"{EP}=8"],
+        r"expert_parallel_degree = 8 x expert_tensor_parallel_degree = 1 must divide the 4 "
+        r"ranks .*\"The product of mesh_sizes=\(1, 1, 0, 8, 1\) is 0, but the original "
+        r"dimension at dim=0 has size 4\"\. Set expert_parallel_degree x "
+        r"expert_tensor_parallel_degree to a divisor of 4$",
+    ),
+    "EP not dividing 8 experts": (
+        3,
+        [f"{EP}=3"],
+        r"layers\.1\.moe\.experts\.w1: parallelism\.expert_parallel_degree = 3 must divide its 8 "
+        r"routed experts, which EP would split \[3, 3, 2\] over its ranks; .*\"Split sizes "
+        r"doesn't match total dim 0 size\"\)\. Set expert_parallel_degree to one of \[1\]$",
+    ),
+    "EP above 2 experts": (
+        4,
+        [f"{EP}=4", *TWO_EXPERTS],
+        r"must divide its 2 routed experts, which EP would split \[1, 1, 0, 0\] over its ranks;"
+        r" the launch fails at start-up \(\"Shard\(1\) requires even sharding\"\).* one of "
+        r"\[1, 2\]$",
+    ),
+    "uneven FSDP on dim 1": (
+        6,  # efsdp 3 x EP 2 > 2 experts: torchtitan shards dim 1, 512 rows over 3 ranks
+        [f"{EP}=2", *TWO_EXPERTS],
+        r"experts\.w1: FSDP shards shape \[1, 512, 256\] on dim 1, which must split evenly over "
+        r"3 ranks \(FSDP2 .*\"FSDP does not support uneven sharding on dim 1\"\)",
+    ),
+    "EP without FSDP": (
+        2,
+        [f"{EP}=2", "--parallelism.tensor_parallel_degree=2"],
+        r"expert_parallel_degree = 2 needs FSDP .*\"Mesh '\['fsdp'\]' is not available",
+    ),
+    "DDP beside TP": (
+        4,
+        [*NO_FSDP, "--parallelism.tensor_parallel_degree=2"],
+        r"data_parallel_replicate_degree = 2 without FSDP .*\"DDP has not supported > 1D "
+        r"parallelism\"\)\. Set data_parallel_shard_degree > 1",
+    ),
+    "DDP of converted weights": (
+        2,
+        NO_FSDP,
+        r"is DDP, which fails at step 1 with float8_moe's weights: DDP broadcasts them with "
+        r"aten\.cat",
+    ),
+    "pipeline stages above microbatches": (
+        2,
+        ["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=1"],
+        r"pipeline schedule 1F1B, 2 stages over pipeline_parallel_degree 2, 1 microbatches "
+        r"\(training\.local_batch_size 1 / pipeline_parallel_microbatch_size 1\): the "
+        r"launch fails at start-up: Number of microbatches \(1\) must be greater than or "
+        r"equal to the number of stages \(2\)\.",
+    ),
+    "pipeline stages above layers": (
+        16,
+        ["--parallelism.pipeline_parallel_degree=16"],
+        r"pipeline split: Number of stages \(16\) cannot be greater than effective layers \(8\)",
+    ),
+    "context parallelism on CPU": (
+        2,
+        ["--parallelism.context_parallel_degree=2", "--target", "cpu"],
+        r"context_parallel_degree = 2 fails on CPU at step 1: .*_scaled_dot_product_flash_"
+        r"attention_for_cpu.* Set it to 1 on CPU$",
+    ),
+    "sequence not split by TP x 2 CP": (
+        4,
+        ["--parallelism.tensor_parallel_degree=4", "--training.seq_len=100"],
+        r"training\.seq_len 100 must be divisible by tensor_parallel_degree \(4\) x 2 x "
+        r"context_parallel_degree \(1\) = 8",
+    ),
+    "TP above the attention heads": (
+        32,  # divides every expert dim (256, 512) but not the 16 heads
+        ["--parallelism.tensor_parallel_degree=32"],
+        r"tensor_parallel_degree = 32 must divide the model's 16 attention heads and 16 "
+        r"key/value heads",
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", REFUSED_LAYOUTS)
+def test_layout_the_launch_rejects_exits_2_with_its_reason(capsys, layout):
+    ranks, overrides, message = REFUSED_LAYOUTS[layout]
+    rc, out, err = _preflight(capsys, "--config", DEBUG_CONFIG, "--ngpu", str(ranks), *overrides)
+    assert rc == 2, out + err
+    (failure,) = [line for line in err.splitlines() if line.startswith("preflight FAILED: ")]
+    assert re.search(message, failure), failure
+    assert "Traceback" not in out + err
+
+
+def test_expert_parallelism_that_fits_plans_one_expert_per_rank(capsys):
+    rc, out, err = _preflight(capsys, "--config", DEBUG_CONFIG, "--ngpu", "8", f"{EP}=8")
+    assert rc == 0, out + err
+    routed = _rows(r"^layers\.\d+\.moe\.experts\.w\d +\[1, \d+, \d+\] +1 +0 .* ep 8 \(dim 0\)", out)
+    assert len(routed) == 9, out

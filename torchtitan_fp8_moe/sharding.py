@@ -91,7 +91,9 @@ def plan_weight(
     if shard_dim != 0 and dim_size % fsdp_degree != 0:
         raise ValueError(
             f"{fqn}: FSDP shards shape {list(shape)} on dim {shard_dim}, which must split "
-            f"evenly over {fsdp_degree} ranks; change the FSDP or expert-parallel degree"
+            f"evenly over {fsdp_degree} ranks (FSDP2 shards dims other than 0 only evenly: "
+            f'"FSDP does not support uneven sharding on dim {shard_dim}"); change the FSDP or '
+            "expert-parallel degree"
         )
     rows = rows_per_rank(dim_size, fsdp_degree)
     ranks_with_data = math.ceil(dim_size / rows)
@@ -183,6 +185,47 @@ def projection(fqn: str) -> str:
     return "down" if name in ("w2", "mlp2_weight") else "up"
 
 
+def expert_fsdp_degree(dims: "ParallelDims") -> int:
+    """torchtitan's efsdp: the FSDP degree of routed experts, dp_shard x cp x tp / (ep x etp).
+
+    Its device mesh takes the ep x etp ranks of expert parallelism from dp_shard x cp x tp
+    (never from dp_replicate or pp), so they must divide it: otherwise the launch's mesh fails
+    at start-up (torch's unflatten: "The product of mesh_sizes=... is ...")."""
+    borrowed = dims.dp_shard * dims.cp * dims.tp
+    expert_ranks = dims.ep * dims.etp
+    if borrowed % expert_ranks:
+        mesh_sizes = (dims.pp, dims.dp_replicate, borrowed // expert_ranks, dims.ep, dims.etp)
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {dims.ep} x expert_tensor_parallel_degree "
+            f"= {dims.etp} must divide the {borrowed} ranks expert parallelism is built from "
+            f"(data_parallel_shard_degree {dims.dp_shard} x context_parallel_degree {dims.cp} "
+            f"x tensor_parallel_degree {dims.tp}); torchtitan's device mesh fails at start-up: "
+            f'"The product of mesh_sizes={mesh_sizes} is {math.prod(mesh_sizes)}, but the '
+            f'original dimension at dim=0 has size {dims.world_size}". Set '
+            f"expert_parallel_degree x expert_tensor_parallel_degree to a divisor of {borrowed}"
+        )
+    return borrowed // expert_ranks
+
+
+def check_expert_split(fqn: str, num_experts: int, dims: "ParallelDims") -> None:
+    """Expert parallelism needs the same number of routed experts on every EP rank: torchtitan
+    splits them with torch.chunk, and its token all-to-all splits the per-expert counts evenly
+    over the EP ranks."""
+    if not dims.ep_enabled or num_experts % dims.ep == 0:
+        return
+    per_rank = [len(c) for c in torch.arange(num_experts).chunk(dims.ep)]
+    per_rank += [0] * (dims.ep - len(per_rank))
+    # Degrees that divide the experts and fit the mesh (which dp_shard x cp x tp / etp bounds).
+    mesh_ranks = dims.dp_shard * dims.cp * dims.tp // dims.etp
+    fitting = [d for d in range(1, num_experts + 1) if num_experts % d == 0 == mesh_ranks % d]
+    raise ValueError(
+        f"{fqn}: parallelism.expert_parallel_degree = {dims.ep} must divide its {num_experts} "
+        f"routed experts, which EP would split {per_rank} over its ranks; the launch fails at "
+        'start-up ("Shard(1) requires even sharding") or at step 1 ("Split sizes doesn\'t '
+        f'match total dim 0 size"). Set expert_parallel_degree to one of {fitting}'
+    )
+
+
 def plan_expert_weight(
     fqn: str,
     shape: tuple[int, ...],
@@ -190,14 +233,18 @@ def plan_expert_weight(
     kind: str,
     itemsize: int,
     path: str,
+    even_tp: bool = True,
 ) -> ShardPlanRow:
     """How torchtitan's Llama4 parallelization will split one expert weight: tensor and expert
     parallelism first, then FSDP over what each rank holds. ``kind``: "routed" (grouped experts
-    with E > 1), "grouped" (a grouped [1, out, in] shared expert) or "linear"."""
+    with E > 1), "grouped" (a grouped [1, out, in] shared expert) or "linear". ``even_tp``:
+    refuse a tensor-parallel split that leaves ranks unequal shares (what fp8 weights need;
+    torchtitan splits a plain weight unevenly, and the row then holds the largest share)."""
     local = list(shape)
     splits = []
     routed = kind == "routed"
     if routed and dims.ep_enabled:
+        check_expert_split(fqn, shape[0], dims)
         local[0] //= dims.ep
         splits.append(f"ep {dims.ep} (dim 0)")
     # TP splits the routed experts unless it is borrowed for EP (ep > 1, etp = 1); it splits
@@ -205,13 +252,13 @@ def plan_expert_weight(
     tp_degree = dims.etp if routed and dims.ep_enabled else dims.tp
     if tp_degree > 1:
         tp_dim = _TP_DIM[("linear" if kind == "linear" else "grouped", projection(fqn))]
-        if local[tp_dim] % tp_degree:
+        if local[tp_dim] % tp_degree and even_tp:
             raise ValueError(
                 f"float8_moe: {fqn} of shape {list(shape)} splits dim {tp_dim} over tensor "
                 f"parallelism of degree {tp_degree}, which must divide it evenly; change "
                 "parallelism.tensor_parallel_degree"
             )
-        local[tp_dim] //= tp_degree
+        local[tp_dim] = rows_per_rank(local[tp_dim], tp_degree)
         mesh = "etp" if routed and dims.ep_enabled else "tp"
         splits.append(f"{mesh} {tp_degree} (dim {tp_dim})")
     shard_dim = 0
@@ -219,7 +266,7 @@ def plan_expert_weight(
     if routed and dims.ep_enabled:
         # Routed experts under EP: FSDP over the rest (efsdp), on dim 1 when that leaves fewer
         # experts than FSDP ranks (torchtitan's rule).
-        degree = dims.dp_shard * dims.cp * dims.tp // (dims.etp * dims.ep)
+        degree = expert_fsdp_degree(dims)
         if degree * dims.ep > shape[0]:
             shard_dim = 1
     row = plan_weight(
