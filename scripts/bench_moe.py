@@ -44,14 +44,16 @@ def _to_torchao(module: nn.Module) -> nn.Module:
     return _swap_params(module, config=Float8TrainingOpConfig())
 
 
-def _to_float8_moe(module: nn.Module) -> nn.Module:
+def _to_float8_moe(module: nn.Module, emulate: bool = False) -> nn.Module:
+    """Every expert module's weights as ``Float8MoEWeight`` (``emulate``: the CPU path, for dry
+    runs of the benchmarks)."""
     from torchtitan_fp8_moe import Float8MoEWeight
     from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
 
     if isinstance(module, Projection):
-        module.weight = nn.Parameter(Float8MoEWeight(module.weight.data, emulate=False))
+        module.weight = nn.Parameter(Float8MoEWeight(module.weight.data, emulate=emulate))
     for _, expert in expert_modules(module):
-        swap_expert_weights(expert, emulate=False)
+        swap_expert_weights(expert, emulate=emulate)
     return module
 
 
@@ -122,8 +124,9 @@ def run_impl(case, tokens, impl, hidden, profile=False):
     return ms, flops, outputs, kernels
 
 
-def kernel_breakdown(step, tensors, iters: int = 5, top: int = 12) -> dict[str, float]:
-    """GPU time per step of each kernel (ms, largest first), from the torch profiler."""
+def kernel_times(step, tensors, iters: int = 5) -> dict[str, tuple[float, float]]:
+    """(GPU ms, launches) per step of every kernel, from the torch profiler; ``tensors``' grads
+    are dropped before each step."""
     from torch.profiler import ProfilerActivity, profile
 
     def fresh_step():
@@ -137,7 +140,15 @@ def kernel_breakdown(step, tensors, iters: int = 5, top: int = 12) -> dict[str, 
         for _ in range(iters):
             fresh_step()
         torch.cuda.synchronize()
-    times = {e.key: e.self_device_time_total / iters / 1000 for e in prof.key_averages()}
+    return {
+        e.key: (e.self_device_time_total / iters / 1000, e.count / iters)
+        for e in prof.key_averages()
+    }
+
+
+def kernel_breakdown(step, tensors, iters: int = 5, top: int = 12) -> dict[str, float]:
+    """GPU time per step of each kernel (ms, largest first), from the torch profiler."""
+    times = {name: ms for name, (ms, _) in kernel_times(step, tensors, iters).items()}
     ranked = sorted(((k, v) for k, v in times.items() if v > 0), key=lambda kv: -kv[1])
     breakdown = {name[:100]: round(ms, 3) for name, ms in ranked[:top]}
     breakdown["(all kernels)"] = round(sum(times.values()), 3)
