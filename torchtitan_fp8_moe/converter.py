@@ -52,6 +52,7 @@ def _check_cpu_composition(job_config: JobConfig, parallel_dims: ParallelDims) -
             '= "none" or "selective" with a layer count as selective_ac_option, with only the '
             "loss compiled, or without compile."
         )
+    check_cpu_context_parallelism(parallel_dims)
     if parallel_dims.ep > 1 and selective_op_ac:
         raise ValueError(
             f"float8_moe: parallelism.expert_parallel_degree = {parallel_dims.ep} with "
@@ -60,6 +61,31 @@ def _check_cpu_composition(job_config: JobConfig, parallel_dims: ParallelDims) -
             "dispatch is recomputed differently); it trains on GPUs. On CPU set "
             'activation_checkpoint.mode = "full" or "none", or selective_ac_option to a layer '
             "count."
+        )
+
+
+def check_cpu_context_parallelism(parallel_dims: ParallelDims) -> None:
+    """torch's context parallelism handles the CUDA attention kernels only (bf16 too)."""
+    if parallel_dims.cp > 1:
+        raise ValueError(
+            f"parallelism.context_parallel_degree = {parallel_dims.cp} fails on CPU at step 1, "
+            "in bf16 too: torch's context parallelism has no rule for the CPU attention kernel "
+            '("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have '
+            'a sharding strategy registered"). Set it to 1 on CPU'
+        )
+
+
+def _check_data_parallelism(parallel_dims: ParallelDims) -> None:
+    """Replicas without FSDP are torch's DDP, which broadcasts the weights at its first forward
+    with ``aten.cat``, an op a converted weight refuses rather than leave fp8."""
+    dims = parallel_dims
+    if dims.dp_replicate_enabled and not dims.fsdp_enabled and not dims.ep_enabled:
+        raise ValueError(
+            f"float8_moe: parallelism.data_parallel_replicate_degree = {dims.dp_replicate} "
+            "without FSDP (data_parallel_shard_degree 1) is DDP, which fails at step 1 with "
+            'converted weights: it broadcasts them with aten.cat ("float8_moe: aten.cat.default '
+            'on converted weights ... does not know this op"). Shard with FSDP instead: '
+            "data_parallel_shard_degree > 1 (HSDP with data_parallel_replicate_degree)."
         )
 
 
@@ -116,6 +142,7 @@ class Float8MoEConverter:
                 "the weights cast to bfloat16. Set training.mixed_precision_param = "
                 '"bfloat16" or `[float8_moe] fp8_all_gather = false`.'
             )
+        _check_data_parallelism(parallel_dims)
         on_cuda = torch.cuda.is_available() if plan_target is None else plan_target == "cuda"
         if not on_cuda:
             _check_cpu_composition(job_config, parallel_dims)

@@ -39,7 +39,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.utils import set_default_dtype
 
 from . import converter as converter_module
-from .converter import Float8MoEConverter
+from .converter import Float8MoEConverter, check_cpu_context_parallelism
 from .sharding import expert_fsdp_degree, format_plan, plan_expert_weight
 
 EXIT_OK = 0
@@ -321,27 +321,9 @@ def check_attention_heads(dims: ParallelDims, model_args: BaseModelArgs) -> None
 
 
 def check_context_parallel(dims: ParallelDims, target: str) -> None:
-    """torch's context parallelism handles the CUDA SDPA kernels only."""
-    if dims.cp_enabled and target == "cpu":
-        raise PreflightError(
-            f"parallelism.context_parallel_degree = {dims.cp} fails on CPU at step 1: "
-            "torch's context parallelism has no rule for the CPU attention kernel "
-            '("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have '
-            'a sharding strategy registered"). Set it to 1 on CPU'
-        )
-
-
-def check_ddp_with_converted_weights(dims: ParallelDims, converted: set[str]) -> None:
-    """torch's DDP concatenates the weights to broadcast them at its first forward, an op a
-    converted weight refuses rather than leave fp8."""
-    if _is_ddp(dims) and converted:
-        raise PreflightError(
-            f"parallelism.data_parallel_replicate_degree = {dims.dp_replicate} without FSDP "
-            "is DDP, which fails at step 1 with float8_moe's weights: DDP broadcasts them with "
-            'aten.cat ("float8_moe: aten.cat.default on converted weights ... does not know '
-            'this op"). Shard with FSDP instead: data_parallel_shard_degree > 1 (HSDP with '
-            "data_parallel_replicate_degree)"
-        )
+    """For launches without float8_moe too (its converter checks it as well)."""
+    if target == "cpu":
+        check_cpu_context_parallelism(dims)
 
 
 def check_dual_pipe_v(job_config: JobConfig, dims: ParallelDims) -> None:
@@ -459,7 +441,6 @@ def check_launch(
     check_routed_experts(model, dims, converted)
     check_attention_heads(dims, model_args)
     check_context_parallel(dims, target)
-    check_ddp_with_converted_weights(dims, converted)
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> list[str]:
