@@ -77,3 +77,28 @@ def test_dense_feed_forwards_are_refused_with_the_converter_to_use():
         [CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns=shared_experts"]
     )
     assert _converted_names(model) == _expected([1, 3], shared=True) - _expected([1, 3], False)
+
+
+def test_hf_state_dict_adapter_sees_the_plain_values_both_ways():
+    """torchtitan's Llama4 HF adapter on a converted model's state dict gives the unconverted
+    model's HF tensors, and its from_hf result loads back into the converted weights."""
+    from torchtitan.models.llama4 import Llama4StateDictAdapter
+
+    plain, model = _llama4(), _llama4()
+    convert(model, emulate=True)
+    adapter = Llama4StateDictAdapter(model.model_args, None)
+    expected, hf = adapter.to_hf(plain.state_dict()), adapter.to_hf(model.state_dict())
+    assert expected.keys() == hf.keys()
+    for key, tensor in expected.items():
+        assert type(hf[key]) is torch.Tensor and torch.equal(hf[key], tensor), key
+    loaded_back = adapter.from_hf({k: v * 2 for k, v in hf.items()})
+    model.load_state_dict(loaded_back, strict=False)  # the adapter maps not every key back
+    assert {n for n, p in model.named_parameters() if isinstance(p, Float8MoEWeight)} <= set(
+        loaded_back
+    )
+    for name, param in plain.named_parameters():
+        if name not in loaded_back:
+            continue
+        loaded = model.get_parameter(name)
+        values = loaded._data if isinstance(loaded, Float8MoEWeight) else loaded
+        assert torch.equal(values, param * 2), name
