@@ -51,7 +51,9 @@ import torch.nn as nn
 from bench_moe import _to_float8_moe, _to_torchao, kernel_times, sqnr, write_json
 from profile_summary import family
 
-IMPLS = ("bf16", "torchao", "float8_moe")
+# float8_moe_auto: the converter's default policy (torchtitan_fp8_moe/policy.py), which keeps in
+# bf16 the weights whose fp8 GEMMs it estimates slower at the case's tokens and mode.
+IMPLS = ("bf16", "torchao", "float8_moe", "float8_moe_auto")
 MODES = ("eager", "compiled")
 # Llama4's MoE hidden dim: 4 * 5120 * 2/3 * 1.2 split over top_k + shared = 2 experts, rounded up
 # to multiple_of 2048 (torchtitan llama4 model.py, auto_scale_hidden_dim).
@@ -160,11 +162,18 @@ def build_layer(preset: Preset, device: torch.device, shrink: int = 1) -> nn.Mod
     return layer
 
 
-def convert(layer: nn.Module, impl: str, emulate: bool) -> nn.Module:
+def convert(layer: nn.Module, impl: str, emulate: bool, tokens: int, mode: str) -> nn.Module:
     if impl == "torchao":
         _to_torchao(layer.experts)  # in place
     elif impl == "float8_moe":
         _to_float8_moe(layer, emulate=emulate)
+    elif impl == "float8_moe_auto":
+        import torchtitan_fp8_moe
+
+        plan = torchtitan_fp8_moe.convert(
+            layer, emulate=emulate, policy="auto", tokens=tokens, compiled=mode == "compiled"
+        )
+        print(f"  auto policy, {tokens} tokens, {mode}:", *{r.path for r in plan}, flush=True)
     return layer
 
 
@@ -204,11 +213,11 @@ class Case:
 
     def __init__(self, base, impl, mode, x, grad, emulate):
         self.impl = impl
-        self.layer = convert(copy.deepcopy(base), impl, emulate)
+        self.layer = convert(copy.deepcopy(base), impl, emulate, x.shape[0] * x.shape[1], mode)
         self.fn = self.layer
         if mode == "compiled":
             # The float8_moe converter's setting under compile.enable (pytorch/pytorch#150859).
-            options = {"emulate_precision_casts": True} if impl == "float8_moe" else None
+            options = {"emulate_precision_casts": True} if impl.startswith("float8_moe") else None
             self.fn = torch.compile(self.layer, dynamic=False, options=options)
         self.x = x.detach().clone().requires_grad_()
         self.grad = grad
@@ -519,7 +528,8 @@ def plot(rows, path: Path) -> None:
     )
     for ax, mode in zip(axes[:, 0], modes, strict=True):
         keys = labels[mode]
-        for i, impl in enumerate(("torchao", "float8_moe")):
+        compared = [i for i in IMPLS if i != "bf16"]
+        for i, impl in enumerate(compared):
             values = []
             for key in keys:
                 # the last run's row (warm, when both are there)
@@ -529,7 +539,9 @@ def plot(rows, path: Path) -> None:
                     if (r["preset"], r["tokens"]) == key and r["impl"] == impl and r["mode"] == mode
                 ]
                 values.append(match[-1]["speedup_wall"] if match else 0)
-            ax.bar([j + (i - 0.5) * 0.4 for j in range(len(keys))], values, 0.4, label=impl)
+            width = 0.8 / len(compared)
+            offset = (i - (len(compared) - 1) / 2) * width
+            ax.bar([j + offset for j in range(len(keys))], values, width, label=impl)
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_xticks(
             range(len(keys)), [f"{p}\n{t / 1024:g}K" for p, t in keys], fontsize=7, rotation=60

@@ -58,6 +58,8 @@ def _converted(model, emulate: bool):
     overrides = [
         "--job.custom_config_module=torchtitan_fp8_moe.config",
         "--model.converters=float8_moe",
+        # Numerics of the fp8 path at any shape: the auto policy would keep small ones bf16.
+        "--float8_moe.policy=always",
         *(["--float8_moe.emulate"] if emulate else []),
     ]
     job_config = ConfigManager().parse_args(overrides)

@@ -44,7 +44,9 @@ def _rows(pattern: str, out: str) -> list[str]:
 def test_seed_config_at_8_ranks_prints_the_padding_plan(capsys):
     """The seed bug's layout: ranks 1-7 hold only padding of every [1, ...] shared-expert
     weight; the 8 routed experts split one per rank."""
-    rc, out, err = _preflight(capsys, "--config", SEED_CONFIG, "--ngpu", "8")
+    rc, out, err = _preflight(
+        capsys, "--config", SEED_CONFIG, "--ngpu", "8", "--float8_moe.policy=always"
+    )
     assert rc == 0, out + err
     assert "world size 8 = dp_replicate 1 x dp_shard 8 x cp 1 x tp 1 x pp 1" in out
     assert "FSDP degree 8 (dp_shard x cp), ep 1, etp 1" in out
@@ -129,6 +131,7 @@ def test_scout_preset_parallelism_tp8_etp8_at_64_ranks(capsys):
         "64",
         "--parallelism.tensor_parallel_degree=8",
         "--parallelism.expert_tensor_parallel_degree=8",
+        "--float8_moe.policy=always",
     )
     assert rc == 0, out + err
     assert "world size 64 = dp_replicate 1 x dp_shard 8 x cp 1 x tp 8 x pp 1" in out
@@ -193,7 +196,11 @@ def test_target_cpu_plans_the_emulated_path(capsys):
 
 def _tiny_expert_converter(target: str) -> Float8MoEConverter:
     job_config = ConfigManager().parse_args(
-        ["--job.custom_config_module=torchtitan_fp8_moe.config", "--model.converters=float8_moe"]
+        [
+            "--job.custom_config_module=torchtitan_fp8_moe.config",
+            "--model.converters=float8_moe",
+            "--float8_moe.policy=always",
+        ]
     )
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=8)
     with planning_for(target):

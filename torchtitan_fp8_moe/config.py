@@ -18,6 +18,13 @@ class Float8MoE:
     (3D w1/w2/w3) and FeedForward modules (nn.Linear w1/w2/w3). The defaults match Llama4's
     routed `moe.experts` and its shared expert (`moe.shared_experts` or `moe.shared_expert`)."""
 
+    policy: str = "auto"
+    """"auto": keep in bf16 the expert weights whose fp8 GEMMs, casts included, are estimated
+    slower than bf16's at this run's per-rank shapes and tokens per micro-batch (a cost model
+    calibrated on an H200, torchtitan_fp8_moe/policy.py; the shard plan says each weight's
+    verdict). "always": convert every weight `fqns` selects. The emulated path (no CUDA, or
+    emulate = true) converts every selected weight under either."""
+
     emulate: bool = False
     """Run fp8 numerics with an emulated matmul (quantize, dequantize, fp32 matmul) instead of
     fp8 kernels. Always on when no CUDA device is present; for GPUs without fp8 (before sm89)

@@ -13,17 +13,20 @@ modules are recognised), swaps their weights for ``Float8MoEWeight`` and returns
 """
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
+from .policy import POLICIES, fp8_gain_ms
 from .sharding import ShardPlanRow, plan_expert_weight, plan_weight, with_all_gather
 from .swap import (
     compact_fqns,
     dense_feed_forwards,
     describe_non_experts,
     expert_modules,
+    expert_weight_names,
     is_grouped_experts,
     num_experts,
     swap_expert_weights,
@@ -48,6 +51,9 @@ def convert(
     parallel_dims: "ParallelDims | None" = None,
     all_gather_dtype: torch.dtype | None = None,
     path: str | None = None,
+    policy: str = "auto",
+    tokens: int | None = None,
+    compiled: bool = False,
 ) -> list[ShardPlanRow]:
     """Convert ``model``'s expert modules in place and return the shard plan of their weights.
 
@@ -58,30 +64,76 @@ def convert(
     ``parallel_dims``: torchtitan's ``ParallelDims`` to plan the shards for; None plans one
     device. ``all_gather_dtype``: the dtype FSDP all-gathers (its ``param_dtype``; None: the
     weight's). ``path``: the fp8 path's name in the plan (default "emulated" or "cuda").
+    ``policy``: "always" converts every selected weight; "auto" keeps in bf16 the weights whose
+    fp8 GEMMs are estimated slower than bf16's at ``tokens`` tokens per rank and micro-batch,
+    eager or ``compiled`` (``policy.py``; the plan row says why). The emulated path has no speed
+    to gain or lose and converts every weight under either policy.
     """
+    if policy not in POLICIES:
+        raise ValueError(f"float8_moe: policy {policy!r} is not one of {list(POLICIES)}")
     targets = select_expert_modules(model, fqns)
     if emulate is None:
         emulate = not (torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda")))
     path = path or ("emulated" if emulate else "cuda")
+    auto = policy == "auto" and not emulate
+    if auto and not tokens:
+        raise ValueError(
+            'float8_moe: policy "auto" decides from the tokens each rank multiplies per '
+            'micro-batch; pass tokens=..., or policy="always" to convert every weight'
+        )
+    modules = dict(model.named_modules())
     plan = []
     for module_fqn, module in targets:
-        # Routed experts are the grouped ones with several experts (EP splits those); a grouped
-        # [1, out, in] expert or a feed-forward is shared (sharded like the dense layers).
-        kind = "linear"
-        if is_grouped_experts(module):
-            kind = "routed" if num_experts(module) > 1 else "grouped"
-        for name, param in swap_expert_weights(module, emulate, cache_fp8_weights, fp8_all_gather):
+        kind = kind_of(module)
+        if auto:  # the rows each weight multiplies per micro-batch
+            rows = tokens * _top_k(modules, module_fqn) if kind == "routed" else tokens
+        chosen = set()
+        for name in expert_weight_names(module):
             fqn = f"{module_fqn}.{name}" if module_fqn else name
+            param = module.get_parameter(name)
             itemsize = (all_gather_dtype or param.dtype).itemsize
-            shape = tuple(param.shape)
-            if parallel_dims is None:
-                row = plan_weight(fqn, shape, 1, 0, itemsize, path)
-            else:
-                row = plan_expert_weight(fqn, shape, parallel_dims, kind, itemsize, path)
-            if not emulate:
-                _check_fp8_shape(fqn, shape, row.local_shape)
-            plan.append(with_all_gather(row, all_gather_dtype, fp8_all_gather))
+            row = _plan_row(fqn, tuple(param.shape), kind, parallel_dims, itemsize, path)
+            row = with_all_gather(row, all_gather_dtype, fp8_all_gather)
+            if auto:
+                row = _decide(row, rows, compiled)
+            if row.fp8:
+                if not emulate:
+                    _check_fp8_shape(fqn, row.shape, row.local_shape)
+                chosen.add(name)
+            plan.append(row)
+        if chosen:
+            swap_expert_weights(module, emulate, cache_fp8_weights, fp8_all_gather, chosen)
     return plan
+
+
+def kind_of(module: nn.Module) -> str:
+    """How torchtitan parallelizes the module: "routed" grouped experts (EP splits them), a
+    "grouped" [1, out, in] shared expert, or a "linear" feed-forward (both sharded like the
+    dense layers)."""
+    if is_grouped_experts(module):
+        return "routed" if num_experts(module) > 1 else "grouped"
+    return "linear"
+
+
+def _plan_row(fqn, shape, kind: str, parallel_dims, itemsize: int, path: str) -> ShardPlanRow:
+    if parallel_dims is None:
+        return plan_weight(fqn, shape, 1, 0, itemsize, path)
+    return plan_expert_weight(fqn, shape, parallel_dims, kind, itemsize, path)
+
+
+def _top_k(modules: dict[str, nn.Module], experts_fqn: str) -> int:
+    """Experts per token: the router's ``top_k`` beside the experts (torchtitan's MoE), else 1."""
+    parent = modules[experts_fqn.rpartition(".")[0]] if experts_fqn else None
+    return getattr(getattr(parent, "router", None), "top_k", 1)
+
+
+def _decide(row: ShardPlanRow, rows: int, compiled: bool) -> ShardPlanRow:
+    """``row`` with the auto policy's verdict for its local shape multiplied by ``rows``."""
+    share = 1 / row.fsdp_degree if row.all_gather == "fp8" else 1.0
+    gain = fp8_gain_ms(rows, row.local_shape, compiled, share)
+    if gain > 0:
+        return replace(row, path=f"{row.path} (auto: est. {gain:.2f} ms faster)")
+    return replace(row, path=f"bf16 (auto: fp8 est. {-gain:.2f} ms slower)", fp8=False)
 
 
 def select_expert_modules(model: nn.Module, fqns: Sequence[str]) -> list[tuple[str, nn.Module]]:

@@ -14,6 +14,7 @@ from torchtitan.tools.logging import logger
 from .config import SUPPORTED_RECIPES, Float8MoE
 from .conversion import convert, select_expert_modules
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
+from .policy import POLICIES
 from .sharding import ShardPlanRow, format_plan
 from .swap import is_grouped_experts
 from .weight import fp8_kernels_available
@@ -119,6 +120,13 @@ class Float8MoEConverter:
                 f"float8_moe: recipe {config.recipe!r} is not supported; "
                 f"use one of {list(SUPPORTED_RECIPES)}"
             )
+        if config.policy not in POLICIES:
+            raise ValueError(f"float8_moe: policy {config.policy!r} is not one of {list(POLICIES)}")
+        self.policy = config.policy
+        training = job_config.training
+        # What each rank's experts multiply per micro-batch (CP splits the sequence).
+        self.tokens = training.local_batch_size * training.seq_len // parallel_dims.cp
+        self.compiled = job_config.compile.enable and "model" in job_config.compile.components
         self.fqns = list(config.fqns)
         self.cache_fp8_weights = config.cache_fp8_weights
         self.fp8_all_gather = config.fp8_all_gather
@@ -185,11 +193,23 @@ class Float8MoEConverter:
             parallel_dims=self.parallel_dims,
             all_gather_dtype=self.all_gather_dtype,
             path=self.path,
+            policy=self.policy,
+            tokens=self.tokens,
+            compiled=self.compiled,
         )
-        logger.info(
-            f"float8_moe: converted {len(self.shard_plan)} expert weights of "
-            f"{len(targets)} modules to fp8 rowwise, {self.path} path ({self.path_reason}), "
-            f"fp8 weight cache {'on' if self.cache_fp8_weights else 'off'}, "
+        fp8_rows = [row for row in self.shard_plan if row.fp8]
+        kept = len(self.shard_plan) - len(fp8_rows)
+        log = logger.warning if not fp8_rows else logger.info
+        log(
+            f"float8_moe: converted {len(fp8_rows)} expert weights of {len(targets)} modules to "
+            f"fp8 rowwise, {self.path} path ({self.path_reason}), policy {self.policy}"
+            + (
+                f" (kept {kept} in bf16: fp8 estimated slower at {self.tokens} tokens per rank "
+                'and micro-batch; policy = "always" forces fp8)'
+                if kept
+                else ""
+            )
+            + f", fp8 weight cache {'on' if self.cache_fp8_weights else 'off'}, "
             f"fp8 all-gather {'on' if self.fp8_all_gather else 'off'}; FSDP shard plan:\n"
             + format_plan(self.shard_plan)
         )

@@ -412,11 +412,17 @@ def describe_float8_moe(converter: Float8MoEConverter | None, dims: ParallelDims
         return ["float8_moe: not in model.converters; nothing to plan"]
     plan = converter.shard_plan
     padding_bytes = sum(row.padding_bytes for row in plan)
+    converted = sum(row.fp8 for row in plan)
+    kept = (
+        f" ({len(plan) - converted} kept in bf16 by the auto policy)"
+        if converted < len(plan)
+        else ""
+    )
     return [
-        f"float8_moe: fqns {converter.fqns}, {converter.path} path ({converter.path_reason}); "
-        f"FSDP shard plan for {dims.world_size} ranks:",
+        f"float8_moe: fqns {converter.fqns}, {converter.path} path ({converter.path_reason}), "
+        f"policy {converter.policy}; FSDP shard plan for {dims.world_size} ranks:",
         format_plan(plan),
-        f"totals: {len(plan)} converted weights, {padding_bytes} padding bytes "
+        f"totals: {converted} converted weights{kept}, {padding_bytes} padding bytes "
         f"({_size(padding_bytes)}) all-gathered per step over all ranks",
     ]
 
@@ -455,7 +461,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     model, model_args = build_meta_model(job_config)
     print("\n".join(describe_model(job_config, model, model_args)), flush=True)
     float8_moe = float8_moe_converter(convert(job_config, dims, model, args.target))
-    converted = {row.fqn for row in float8_moe.shard_plan} if float8_moe else set()
+    converted = {row.fqn for row in float8_moe.shard_plan if row.fp8} if float8_moe else set()
     check_launch(job_config, dims, model, model_args, converted, args.target)
     return describe_pipeline(dims) + describe_float8_moe(float8_moe, dims)
 

@@ -71,11 +71,12 @@ class ShardPlanRow:
     rows_per_rank: int
     padding_only_ranks: int
     padding_bytes: int  # zero rows all-gathered per step, over all ranks
-    path: str  # which fp8 implementation runs this weight's matmuls
+    path: str  # which fp8 implementation runs this weight's matmuls, or why bf16 (policy.py)
     model_parallel: str = "-"  # the TP / EP mesh dims splitting the weight, and on which dims
     local_shape: tuple[int, ...] = ()  # what each rank multiplies (FSDP gathers the rest)
     # with fp8_all_gather, what FSDP all-gathers: "fp8" payloads, or the dtype and why
     all_gather: str = "-"
+    fp8: bool = True  # False: the auto policy keeps the weight bf16 (policy.py)
 
 
 def plan_weight(

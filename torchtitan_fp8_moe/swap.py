@@ -133,12 +133,24 @@ def compact_fqns(fqns: list[str], max_fqns: int = 3) -> str:
     return f"{', '.join(fqns[:max_fqns])}, ... {fqns[-1]} ({len(fqns) - max_fqns - 1} more)"
 
 
+def expert_weight_names(module: nn.Module) -> list[str]:
+    """The names ``swap_expert_weights`` gives ``module``'s expert weights."""
+    if is_grouped_experts(module):
+        return grouped_weight_names(module)
+    return [f"{name}.weight" for name in _PROJECTIONS]
+
+
 def swap_expert_weights(
-    module: nn.Module, emulate: bool, cache_fp8: bool = False, fp8_all_gather: bool = False
+    module: nn.Module,
+    emulate: bool,
+    cache_fp8: bool = False,
+    fp8_all_gather: bool = False,
+    names: set[str] | None = None,
 ) -> list[tuple[str, nn.Parameter]]:
     """Wrap the expert weights of an expert module in place; returns (name, new parameter) with
     names relative to ``module``: its 3D parameters for grouped experts (``w1``,
-    ``mlp1_weight``; other parameters such as biases stay plain), ``w1.weight`` for linears."""
+    ``mlp1_weight``; other parameters such as biases stay plain), ``w1.weight`` for linears.
+    ``names``: only these of them (``expert_weight_names``)."""
     if is_grouped_experts(module):
         owners = [(name, module, name) for name in grouped_weight_names(module)]
     elif is_feed_forward(module):
@@ -156,6 +168,8 @@ def swap_expert_weights(
             f"feed-forward (nn.Linear w1/w2/w3) and no grouped experts "
             f"({grouped_experts_mismatch(module)})"
         )
+    if names is not None:
+        owners = [owner for owner in owners if owner[0] in names]
     swapped = []
     for name, owner, attr in owners:
         param = getattr(owner, attr)
@@ -169,8 +183,8 @@ def swap_expert_weights(
         swapped.append((name, new_param))
     if is_feed_forward(module):
         # Float8MoELinear multiplies in fp8 under tensor parallelism too (tensor_parallel.py).
-        for name in _PROJECTIONS:
-            setattr(module, name, Float8MoELinear.from_linear(getattr(module, name)))
+        for name, linear, _ in owners:
+            setattr(module, name.removesuffix(".weight"), Float8MoELinear.from_linear(linear))
     module.register_state_dict_post_hook(_plain_state_dict)
     module.register_load_state_dict_post_hook(_invalidate_fp8_caches)
     return swapped
