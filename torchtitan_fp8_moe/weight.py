@@ -23,6 +23,7 @@ values (``fp8/gathered.py``), and the unsharded weight is a ``Float8GatheredWeig
 only, usable as the right operand ``w^T`` of the fp8 matmuls and nothing else.
 """
 
+import functools
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
@@ -97,6 +98,7 @@ _PADDING_OPS = {aten.constant_pad_nd}
 _COPY_OPS = {aten._to_copy, aten.clone, aten._pin_memory}
 
 
+@functools.cache  # a pure function of the op: read its schema and tags once per process
 def _dispatch_kind(func) -> _Kind:
     packet = func.overloadpacket
     if packet in _MATMULS:
