@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
 from .policy import POLICIES, fp8_gain_ms
 from .sharding import ShardPlanRow, plan_expert_weight, plan_weight, with_all_gather
@@ -103,6 +104,10 @@ def convert(
             plan.append(row)
         if chosen:
             swap_expert_weights(module, emulate, cache_fp8_weights, fp8_all_gather, chosen)
+    if not emulate and torch.cuda.is_available() and any(row.fp8 for row in plan):
+        # torch's fp8 grouped GEMM needs 16-row token groups: torchtitan's MoE pads them to this
+        # (with its default, a device-side assert poisons the process at the first backward).
+        set_token_group_alignment_size_m(FP8_MATRIX_ALIGNMENT)
     return plan
 
 

@@ -4,10 +4,8 @@
 import torch
 import torch._inductor.config
 import torch.nn as nn
-from torchtitan.components.quantization import FP8_GROUP_ALIGNMENT_SIZE
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
@@ -164,7 +162,6 @@ class Float8MoEConverter:
         elif fp8_kernels_available(torch.device("cuda", torch.cuda.current_device())):
             self.path = "cuda"
             self.path_reason = "fp8 tensor cores"
-            set_token_group_alignment_size_m(FP8_GROUP_ALIGNMENT_SIZE)
         else:
             raise ValueError(
                 "float8_moe: this GPU has no fp8 tensor cores (they need sm89+); set "
