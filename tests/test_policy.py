@@ -92,3 +92,39 @@ def test_auto_on_cuda_needs_the_tokens_and_policy_must_be_known():
         convert(_scout(), emulate=False)
     with pytest.raises(ValueError, match="policy 'sometimes' is not one of"):
         convert(_scout(), emulate=False, policy="sometimes")
+
+
+@pytest.mark.parametrize(
+    "overrides,tokens",
+    [
+        (["--training.local_batch_size=4", "--training.seq_len=4096"], 16384),
+        (["--parallelism.context_parallel_degree=2", "--training.seq_len=4096"], 2 * 2048),
+        (
+            [
+                "--parallelism.pipeline_parallel_degree=2",
+                "--parallelism.pipeline_parallel_microbatch_size=1",
+                "--training.local_batch_size=8",
+                "--training.seq_len=4096",
+            ],
+            4096,
+        ),
+    ],
+    ids=["batch", "context_parallel", "pipeline_microbatch"],
+)
+def test_converter_decides_at_the_tokens_one_forward_multiplies(overrides, tokens):
+    """local batch x sequence per forward; a pipeline stage runs micro-batches, CP splits the
+    sequence."""
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_fp8_moe import Float8MoEConverter
+    from torchtitan_fp8_moe.preflight import planning_for
+
+    args = ["--job.custom_config_module=torchtitan_fp8_moe.config", "--model.converters=float8_moe"]
+    job_config = ConfigManager().parse_args([*args, "--training.local_batch_size=2", *overrides])
+    degrees = {
+        "cp": job_config.parallelism.context_parallel_degree,
+        "pp": job_config.parallelism.pipeline_parallel_degree,
+    }
+    with planning_for("cuda"):  # CP is refused on CPU
+        converter = Float8MoEConverter(job_config, _parallel_dims(8, **degrees))
+    assert converter.tokens == tokens

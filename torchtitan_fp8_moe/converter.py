@@ -122,8 +122,12 @@ class Float8MoEConverter:
             raise ValueError(f"float8_moe: policy {config.policy!r} is not one of {list(POLICIES)}")
         self.policy = config.policy
         training = job_config.training
-        # What each rank's experts multiply per micro-batch (CP splits the sequence).
-        self.tokens = training.local_batch_size * training.seq_len // parallel_dims.cp
+        # What each rank's experts multiply per forward: a pipeline runs micro-batches of
+        # pipeline_parallel_microbatch_size sequences; CP splits the sequence.
+        sequences = training.local_batch_size
+        if parallel_dims.pp > 1:
+            sequences = job_config.parallelism.pipeline_parallel_microbatch_size
+        self.tokens = sequences * training.seq_len // parallel_dims.cp
         self.compiled = job_config.compile.enable and "model" in job_config.compile.components
         self.fqns = list(config.fqns)
         self.cache_fp8_weights = config.cache_fp8_weights
