@@ -10,7 +10,8 @@ float8_moe alternate, and which goes first alternates between repeats) so that a
 machine's load hits both alike. A step's time is the gap between the timestamps of its log line
 and the previous step's; each run's median over the steps after ``--warmup`` is its time, and a
 variant's time is the median over its runs (spread: the lowest and highest run). Writes
-docs/benchmarks/cpu_step.json and cpu_step.md, and every run's log under outputs/bench_cpu_step/.
+--out (default outputs/benchmarks/cpu_step.json) and a .md beside it, and every run's log under
+outputs/bench_cpu_step/.
 """
 
 import argparse
@@ -57,7 +58,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--local-batch-size", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per run")
-    parser.add_argument("--out", default="docs/benchmarks/cpu_step.json")
+    parser.add_argument("--out", default="outputs/benchmarks/cpu_step.json")
     parser.add_argument("--logs", default="outputs/bench_cpu_step")
     args = parser.parse_args()
     if args.steps < args.warmup + 2:

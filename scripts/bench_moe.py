@@ -1,7 +1,7 @@
 """Benchmark bf16, torchao 0.18's fp8 rowwise and float8_moe on Llama4 Scout MoE shapes.
 
     python scripts/bench_moe.py [--quick] [--cases C,..] [--tokens M,..] [--profile] [--tp N]
-        [--repeat N] [--out docs/benchmarks/h200.json]
+        [--repeat N] [--out outputs/benchmarks/h200.json]
 
 Forward + backward (input and weight gradients) of: one routed-expert projection (w1: D -> H,
 w2: H -> D; 16 experts, even token groups), the grouped shared expert (3D x 3D, [1, H, D]), the
@@ -158,7 +158,7 @@ def kernel_breakdown(step, tensors, iters: int = 5, top: int = 12) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="M=16384 only, projections only")
-    parser.add_argument("--out", default="docs/benchmarks/h200.json")
+    parser.add_argument("--out", default="outputs/benchmarks/h200.json")
     parser.add_argument("--cases", default=None, help="comma-separated subset of the cases")
     parser.add_argument("--tokens", default=None, help="comma-separated token counts M")
     parser.add_argument(

@@ -3,7 +3,7 @@
 
     python scripts/bench_presets.py [--presets P,..] [--tokens 16384,..] [--modes eager,compiled]
         [--impls bf16,torchao,float8_moe] [--rounds 3] [--iters 10] [--label cold]
-        [--budget-s S] [--profile] [--out docs/benchmarks/presets/h200.json] [--append]
+        [--budget-s S] [--profile] [--out outputs/benchmarks/presets.json] [--append]
     python scripts/bench_presets.py --list        # the presets and their per-rank shapes
     python scripts/bench_presets.py --dry-run     # CPU, tiny dims, float8_moe emulated
 
@@ -570,7 +570,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=None, help="start no case after this")
     parser.add_argument("--top", type=int, default=8, help="kernels per row in top_kernels_ms")
     parser.add_argument("--profile", action="store_true", help="print the kernel families too")
-    parser.add_argument("--out", default="docs/benchmarks/presets/h200.json")
+    parser.add_argument("--out", default="outputs/benchmarks/presets.json")
     parser.add_argument("--append", action="store_true", help="add to the rows already in --out")
     parser.add_argument("--list", action="store_true", help="print the presets and exit")
     parser.add_argument(

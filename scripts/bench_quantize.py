@@ -1,7 +1,7 @@
 """The fp8 cast kernels of one routed projection, ours against torchao 0.18's, on Scout shapes.
 
     python scripts/bench_quantize.py [--tokens 16384,65536] [--new-counts 3]
-        [--out docs/benchmarks/h200_quantize.json]
+        [--out outputs/benchmarks/h200_quantize.json]
 
 For each token count M (16 experts, uneven token groups aligned to 16, Scout's 5120 x 8192):
 - the weight-gradient operands' per-group column-wise cast (``a [M, K]`` and ``grad [M, N]``,
@@ -256,7 +256,7 @@ def main() -> None:
     )
     parser.add_argument("--sweep-tokens", type=int, default=32768)
     parser.add_argument("--weights-only", action="store_true", help="only the weight casts")
-    parser.add_argument("--out", default="docs/benchmarks/h200_quantize.json")
+    parser.add_argument("--out", default="outputs/benchmarks/h200_quantize.json")
     args = parser.parse_args()
     rows = [] if args.weights_only else per_group_casts(args)
     rows += weight_casts(args.sweep)
@@ -268,6 +268,7 @@ def main() -> None:
             f"{r['impl']:<11}{value!s:>20}"
         )
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
 

@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the medians")
     parser.add_argument("--repeat", type=int, default=1, help="runs per variant, interleaved")
-    parser.add_argument("--out", default="docs/benchmarks/h200_train.json")
+    parser.add_argument("--out", default="outputs/benchmarks/h200_train.json")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Per-parameter gradients of a whole torchtitan model, bf16 and float8_moe against float32.
 
     python scripts/grad_numerics.py --model deepseek_v3 --flavor debugmodel \
-        [--warm-steps 3] [--lr 4e-3] [--out docs/benchmarks/grad_numerics.json]
+        [--warm-steps 3] [--lr 4e-3] [--out outputs/benchmarks/grad_numerics.json]
 
 Builds the model from torchtitan's train spec (one device, no parallelism), trains a float32
 copy for ``--warm-steps`` AdamW steps on the bundled corpus (to reach the weights a short run
@@ -129,6 +129,7 @@ def main() -> None:
             print(f"    {db:7.1f} dB  {name}")
     if args.out:
         setup = {k: v for k, v in vars(args).items() if k != "out"}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
 
 
