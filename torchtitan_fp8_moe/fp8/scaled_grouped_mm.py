@@ -63,20 +63,28 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         quantize = quantizer_for(cuda)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_fp8, grad_scale = quantize.rows(grad_out)
-            if ctx.payload_count:
-                b_t_fp8, b_t_scale = weight_saved
-            else:
-                b, b_amax_over_n = weight_saved
-                transposed = partial(quantize.weight_transposed, amax_over_n=b_amax_over_n)
-                b_t_fp8, b_t_scale = quantize_weight(b, "input_grad", transposed, ctx.cached)
-            grad_a = gemm.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, a.dtype, cuda)
+            grad_a = _input_grad(ctx, grad_out, a.dtype, offs, weight_saved, quantize)
         if ctx.needs_input_grad[1]:
             a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(a, grad_out, offs)
             grad_b = gemm.grouped_wgrad_mm(
                 a_fp8, a_scales, grad_fp8, grad_scales, offs, ctx.b_dtype, cuda
             )
         return grad_a, grad_b, None, None, None, *([None] * ctx.payload_count)
+
+
+def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Tensor:
+    """``grad_out @ b^T`` in fp8. A function of its own so that its fp8 copies (the gradient's and
+    the transposed weight's, the size of the weight) are freed before the weight gradient's
+    casts allocate theirs: they raised the backward's peak memory above bf16's."""
+    grad_fp8, grad_scale = quantize.rows(grad_out)
+    if ctx.payload_count:
+        b_t_fp8, b_t_scale = weight_saved
+    else:
+        b, b_amax_over_n = weight_saved
+        transposed = partial(quantize.weight_transposed, amax_over_n=b_amax_over_n)
+        b_t_fp8, b_t_scale = quantize_weight(b, "input_grad", transposed, ctx.cached)
+    cuda = ctx.use_cuda_kernels
+    return gemm.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, dtype, cuda)
 
 
 def fp8_grouped_mm(
