@@ -15,7 +15,8 @@ forward + backward, on one H200 at the per-GPU shapes of real runs, eager and co
 (``scripts/fit_policy.py`` over ``docs/benchmarks/presets/h200.json``). Over the 40 measured
 cases the layer's estimate has the measured sign but for two: Scout at 8K tokens (measured 1.08x,
 estimated slower: the policy keeps its routed experts bf16) and GPT-OSS 120B at 32K (1.00x).
-Calibrated on an H200 with torch 2.11; on other GPUs ``policy = "always"`` forces fp8.
+Calibrated on an H200 with torch 2.11, at 8K-32K tokens per rank (beyond, the terms are
+extrapolated linearly); on other GPUs ``policy = "always"`` forces fp8.
 """
 
 from dataclasses import dataclass
