@@ -12,7 +12,6 @@ from torchtitan.tools.logging import logger
 from .config import SUPPORTED_RECIPES, Float8MoE
 from .conversion import convert, select_expert_modules
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
-from .policy import POLICIES
 from .sharding import ShardPlanRow, format_plan
 from .swap import is_grouped_experts
 from .weight import fp8_kernels_available
@@ -118,9 +117,7 @@ class Float8MoEConverter:
                 f"float8_moe: recipe {config.recipe!r} is not supported; "
                 f"use one of {list(SUPPORTED_RECIPES)}"
             )
-        if config.policy not in POLICIES:
-            raise ValueError(f"float8_moe: policy {config.policy!r} is not one of {list(POLICIES)}")
-        self.policy = config.policy
+        self.policy = config.policy  # checked by conversion.convert
         training = job_config.training
         # What each rank's experts multiply per forward: a pipeline runs micro-batches of
         # pipeline_parallel_microbatch_size sequences; CP splits the sequence.
