@@ -134,10 +134,17 @@ def compact_fqns(fqns: list[str], max_fqns: int = 3) -> str:
 
 
 def expert_weight_names(module: nn.Module) -> list[str]:
-    """The names ``swap_expert_weights`` gives ``module``'s expert weights."""
+    """The names ``swap_expert_weights`` gives ``module``'s expert weights, relative to it: its
+    3D parameters for grouped experts (``w1``, ``mlp1_weight``), ``w1.weight`` for linears."""
     if is_grouped_experts(module):
         return grouped_weight_names(module)
-    return [f"{name}.weight" for name in _PROJECTIONS]
+    if is_feed_forward(module):
+        return [f"{name}.weight" for name in _PROJECTIONS]
+    raise TypeError(
+        f"float8_moe: {type(module).__name__} is not an expert module: it is no "
+        f"feed-forward (nn.Linear w1/w2/w3) and no grouped experts "
+        f"({grouped_experts_mismatch(module)})"
+    )
 
 
 def swap_expert_weights(
@@ -147,14 +154,14 @@ def swap_expert_weights(
     fp8_all_gather: bool = False,
     names: set[str] | None = None,
 ) -> list[tuple[str, nn.Parameter]]:
-    """Wrap the expert weights of an expert module in place; returns (name, new parameter) with
-    names relative to ``module``: its 3D parameters for grouped experts (``w1``,
-    ``mlp1_weight``; other parameters such as biases stay plain), ``w1.weight`` for linears.
-    ``names``: only these of them (``expert_weight_names``)."""
-    if is_grouped_experts(module):
-        owners = [(name, module, name) for name in grouped_weight_names(module)]
-    elif is_feed_forward(module):
-        owners = [(f"{name}.weight", getattr(module, name), "weight") for name in _PROJECTIONS]
+    """Wrap the expert weights of an expert module in place (other parameters such as biases
+    stay plain); returns (name, new parameter) with ``expert_weight_names``' names. ``names``:
+    only these of them."""
+    owners = []  # (name, the module holding the parameter, its attribute there)
+    for name in expert_weight_names(module):
+        prefix, _, attr = name.rpartition(".")
+        owners.append((name, module.get_submodule(prefix), attr))
+    if is_feed_forward(module):
         for name, linear, _ in owners:
             if type(linear) is not nn.Linear:
                 raise ValueError(
@@ -162,12 +169,6 @@ def swap_expert_weights(
                     f"{type(linear).__name__} (converted by another converter); exclude this "
                     "module from one of the two converters"
                 )
-    else:
-        raise TypeError(
-            f"float8_moe: {type(module).__name__} is not an expert module: it is no "
-            f"feed-forward (nn.Linear w1/w2/w3) and no grouped experts "
-            f"({grouped_experts_mismatch(module)})"
-        )
     if names is not None:
         owners = [owner for owner in owners if owner[0] in names]
     swapped = []
