@@ -83,6 +83,21 @@ def test_scout_preset_tp8_etp8_stays_bf16_and_always_forces_fp8(compiled):
     assert all(row.fp8 and row.path == "cuda" for row in forced)
 
 
+def test_auto_keeps_a_weight_bf16_where_tensor_parallelism_splits_it_unevenly():
+    """TP 3 splits Scout's 8192-wide hidden dim 2731/2731/2730: torchtitan runs that in bf16,
+    so auto keeps those weights bf16 and says why (the shared expert would otherwise pay at 16K
+    tokens); "always", which makes them fp8 (equal shares needed), names the split."""
+    dims = _parallel_dims(6, tp=3)
+    plan = convert(_scout(), emulate=False, tokens=16384, parallel_dims=dims)
+    assert len(plan) == 6 and not any(row.fp8 for row in plan)
+    shared = [row for row in plan if "shared_experts" in row.fqn]
+    assert all(
+        row.path == "bf16 (auto: TP splits it unevenly, fp8 needs equal shares)" for row in shared
+    )
+    with pytest.raises(ValueError, match=r"over tensor parallelism of degree 3"):
+        convert(_scout(), emulate=False, parallel_dims=dims, policy="always")
+
+
 def test_emulated_path_converts_everything_under_auto():
     assert all(row.fp8 for row in convert(_scout(), emulate=True, tokens=64))
 

@@ -93,7 +93,9 @@ def convert(
             fqn = f"{module_fqn}.{name}" if module_fqn else name
             param = module.get_parameter(name)
             itemsize = (all_gather_dtype or param.dtype).itemsize
-            row = _plan_row(fqn, tuple(param.shape), kind, parallel_dims, itemsize, path)
+            # Under auto, a weight kept bf16 may be split unevenly by TP, as torchtitan does for
+            # any plain weight; only an fp8 weight needs equal shares.
+            row = _plan_row(fqn, tuple(param.shape), kind, parallel_dims, itemsize, path, not auto)
             row = with_all_gather(row, all_gather_dtype, fp8_all_gather)
             if auto:
                 row = _decide(row, rows, compiled)
@@ -120,10 +122,12 @@ def kind_of(module: nn.Module) -> str:
     return "linear"
 
 
-def _plan_row(fqn, shape, kind: str, parallel_dims, itemsize: int, path: str) -> ShardPlanRow:
+def _plan_row(
+    fqn, shape, kind: str, parallel_dims, itemsize: int, path: str, even_tp: bool = True
+) -> ShardPlanRow:
     if parallel_dims is None:
         return plan_weight(fqn, shape, 1, 0, itemsize, path)
-    return plan_expert_weight(fqn, shape, parallel_dims, kind, itemsize, path)
+    return plan_expert_weight(fqn, shape, parallel_dims, kind, itemsize, path, even_tp)
 
 
 def _top_k(modules: dict[str, nn.Module], experts_fqn: str) -> int:
@@ -134,6 +138,10 @@ def _top_k(modules: dict[str, nn.Module], experts_fqn: str) -> int:
 
 def _decide(row: ShardPlanRow, rows: int, compiled: bool) -> ShardPlanRow:
     """``row`` with the auto policy's verdict for its local shape multiplied by ``rows``."""
+    if row.uneven_tp:
+        return replace(
+            row, path="bf16 (auto: TP splits it unevenly, fp8 needs equal shares)", fp8=False
+        )
     share = 1 / row.fsdp_degree if row.all_gather == "fp8" else 1.0
     gain = fp8_gain_ms(rows, row.local_shape, compiled, share)
     if gain > 0:

@@ -77,6 +77,9 @@ class ShardPlanRow:
     # with fp8_all_gather, what FSDP all-gathers: "fp8" payloads, or the dtype and why
     all_gather: str = "-"
     fp8: bool = True  # False: the auto policy keeps the weight bf16 (policy.py)
+    # why fp8 cannot multiply this weight's shards (a TP split into unequal shares), if planned
+    # with ``even_tp=False``; torchtitan runs such a split in bf16
+    uneven_tp: str = ""
 
 
 def plan_weight(
@@ -243,6 +246,7 @@ def plan_expert_weight(
     torchtitan splits a plain weight unevenly, and the row then holds the largest share)."""
     local = list(shape)
     splits = []
+    uneven_tp = ""
     routed = kind == "routed"
     if routed and dims.ep_enabled:
         check_expert_split(fqn, shape[0], dims)
@@ -253,12 +257,14 @@ def plan_expert_weight(
     tp_degree = dims.etp if routed and dims.ep_enabled else dims.tp
     if tp_degree > 1:
         tp_dim = _TP_DIM[("linear" if kind == "linear" else "grouped", projection(fqn))]
-        if local[tp_dim] % tp_degree and even_tp:
-            raise ValueError(
+        if local[tp_dim] % tp_degree:
+            uneven_tp = (
                 f"float8_moe: {fqn} of shape {list(shape)} splits dim {tp_dim} over tensor "
                 f"parallelism of degree {tp_degree}, which must divide it evenly; change "
                 "parallelism.tensor_parallel_degree"
             )
+            if even_tp:
+                raise ValueError(uneven_tp)
         local[tp_dim] = rows_per_rank(local[tp_dim], tp_degree)
         mesh = "etp" if routed and dims.ep_enabled else "tp"
         splits.append(f"{mesh} {tp_degree} (dim {tp_dim})")
@@ -273,4 +279,4 @@ def plan_expert_weight(
     row = plan_weight(
         fqn, tuple(local), degree, shard_dim, itemsize, path, ", ".join(splits) or "-"
     )
-    return row
+    return replace(row, uneven_tp=uneven_tp)
