@@ -202,8 +202,8 @@ class Float8MoEConverter:
             f"float8_moe: converted {len(fp8_rows)} expert weights of {len(targets)} modules to "
             f"fp8 rowwise, {self.path} path ({self.path_reason}), policy {self.policy}"
             + (
-                f" (kept {kept} in bf16: fp8 estimated slower at {self.tokens} tokens per rank "
-                'and micro-batch; policy = "always" forces fp8)'
+                f" (kept {kept} in bf16 at {self.tokens} tokens per rank and micro-batch, the "
+                'plan says why; policy = "always" forces fp8)'
                 if kept
                 else ""
             )
