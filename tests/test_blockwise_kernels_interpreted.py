@@ -32,7 +32,7 @@ WGRAD_CASES = [
 BLOCK = 128
 
 
-def _spread(rows: int, cols: int) -> torch.Tensor:
+def spread(rows: int, cols: int) -> torch.Tensor:
     """bf16 values over 12 decades along both dims, so every tile has its own scale, and an
     all-zero row and column."""
     x = torch.randn(rows, cols) * torch.logspace(-6, 6, cols) * torch.logspace(3, -3, rows)[:, None]
@@ -41,20 +41,21 @@ def _spread(rows: int, cols: int) -> torch.Tensor:
     return x.bfloat16()
 
 
-def _expanded(scale: torch.Tensor, shape: tuple, dims: tuple) -> torch.Tensor:
+def expanded(scale: torch.Tensor, shape: tuple, dims: tuple) -> torch.Tensor:
     """Per-tile scales repeated over the elements of their tiles (along ``dims``)."""
     for dim in dims:
         scale = scale.repeat_interleave(BLOCK, dim)
     return scale[tuple(slice(0, size) for size in shape)]
 
 
-def _dequantized(data: torch.Tensor, scale: torch.Tensor, dims: tuple) -> torch.Tensor:
-    return data.float() / _expanded(scale, data.shape, dims)
+def dequantized(data: torch.Tensor, scale: torch.Tensor, dims: tuple) -> torch.Tensor:
+    return data.float() / expanded(scale, data.shape, dims)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> bool:
-    """Equal up to fp32 accumulation order: error within 2**-18 of the sum of |products|."""
-    return bool(((got.float() - want).abs() <= magnitude * 2.0**-18 + 1e-30).all())
+def close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor, bits: int = 18) -> bool:
+    """Equal up to accumulation order and precision: error within 2**-bits of the sum of the
+    |products| (``magnitude``)."""
+    return bool(((got.double() - want).abs() <= magnitude * 2.0**-bits + 1e-30).all())
 
 
 def _check_quantize() -> None:
@@ -63,7 +64,7 @@ def _check_quantize() -> None:
 
     torch.manual_seed(0)
     for rows, cols in [(300, 200), (40, 130), (1, 7), (129, 256)]:
-        x = _spread(rows, cols)
+        x = spread(rows, cols)
         for tiles, kernel, reference, dims in [
             ("1x128", bq.quantize_1x128, bq.quantize_1x128_torch, (1,)),
             ("128x1", bq.quantize_128x1, bq.quantize_128x1_torch, (0,)),
@@ -71,7 +72,7 @@ def _check_quantize() -> None:
             values, scale = kernel(x, torch.float32)
             want_data, want_scale = reference(x)
             assert torch.equal(scale, want_scale), (tiles, rows, cols)
-            want = (x.float() * _expanded(scale, x.shape, dims)).clamp(-FP8_MAX, FP8_MAX)
+            want = (x.float() * expanded(scale, x.shape, dims)).clamp(-FP8_MAX, FP8_MAX)
             assert torch.equal(values, want), (tiles, rows, cols)
             assert torch.equal(values.to(FP8_DTYPE).view(torch.uint8), want_data.view(torch.uint8))
         assert bq.quantize_128x1(x, torch.float32)[0].stride() == (1, rows), "column-major"
@@ -81,23 +82,33 @@ def _check_quantize() -> None:
             got, want = kernel(view, torch.float32), kernel(x, torch.float32)
             assert all(torch.equal(*pair) for pair in zip(got, want, strict=True))
     for groups, k, n in [(3, 200, 130), (1, 128, 256), (2, 5, 1)]:
-        stored = torch.stack([_spread(n, k) for _ in range(groups)])  # [G, N, K], used as [G, K, N]
+        stored = torch.stack([spread(n, k) for _ in range(groups)])  # [G, N, K], used as [G, K, N]
         for w in (stored.transpose(-2, -1), stored.transpose(-2, -1).contiguous()):
             values, scale = bq.quantize_128x128(w, torch.float32)
             want_data, want_scale = bq.quantize_128x128_torch(w)
             assert torch.equal(scale, want_scale), (groups, k, n)
-            want = (w.float() * _expanded(scale, w.shape, (1, 2))).clamp(-FP8_MAX, FP8_MAX)
+            want = (w.float() * expanded(scale, w.shape, (1, 2))).clamp(-FP8_MAX, FP8_MAX)
             assert torch.equal(values, want), (groups, k, n)
             assert values.stride() == w.stride(), "the weight's memory order"
             assert torch.equal(values.to(FP8_DTYPE).view(torch.uint8), want_data.view(torch.uint8))
 
 
-def _grouped_reference(a, b, ends, rows):
+def grouped_reference(a, b, ends, rows):
     """fp32 ``a[rows of g] . b[g]``, rows past the last group 0."""
-    out = torch.zeros(rows, b.shape[-1])
+    out = torch.zeros(rows, b.shape[-1], dtype=a.dtype, device=a.device)
     start = 0
     for group, end in enumerate(ends):
         out[start:end] = a[start:end] @ b[group]
+        start = end
+    return out
+
+
+def wgrad_reference(x, dy, ends):
+    """fp32 ``x_g^T . dy_g`` per group -> ``[G, K, N]``; empty groups 0."""
+    out = torch.zeros(len(ends), x.shape[1], dy.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for group, end in enumerate(ends):
+        out[group] = x[start:end].t() @ dy[start:end]
         start = end
     return out
 
@@ -110,32 +121,32 @@ def _check_grouped_mm() -> None:
     for m, k, n, ends in GEMM_CASES:
         groups = len(ends)
         offs = torch.tensor(ends, dtype=torch.int32)
-        x_data, x_scale = bq.quantize_1x128_torch(_spread(m, k))
-        stored = torch.stack([_spread(n, k) for _ in range(groups)])  # [G, N, K]
+        x_data, x_scale = bq.quantize_1x128_torch(spread(m, k))
+        stored = torch.stack([spread(n, k) for _ in range(groups)])  # [G, N, K]
         w_data, w_scale = bq.quantize_128x128_torch(stored.transpose(-2, -1))
-        x, w = _dequantized(x_data, x_scale, (1,)), _dequantized(w_data, w_scale, (1, 2))
-        want = _grouped_reference(x, w, ends, m)
-        magnitude = _grouped_reference(x.abs(), w.abs(), ends, m)
+        x, w = dequantized(x_data, x_scale, (1,)), dequantized(w_data, w_scale, (1, 2))
+        want = grouped_reference(x, w, ends, m)
+        magnitude = grouped_reference(x.abs(), w.abs(), ends, m)
         for b in (w_data, w_data.contiguous()):  # K-major (torchtitan's layout) and row-major
             got = blockwise_grouped_mm(x_data, x_scale, b, w_scale, offs, torch.float32)
-            assert _close(got, want, magnitude), (m, k, n, ends)
+            assert close(got, want, magnitude), (m, k, n, ends)
             assert torch.equal(got[ends[-1] :], torch.zeros_like(got[ends[-1] :]))
         bf16 = blockwise_grouped_mm(x_data, x_scale, w_data, w_scale, offs)
         assert bf16.dtype == torch.bfloat16
         assert torch.allclose(bf16.float(), got, rtol=2**-7, atol=1e-30)
         # Input gradient: dy [M, N] (1x128 tiles along N) times the same blocks, transposed.
-        dy_data, dy_scale = bq.quantize_1x128_torch(_spread(m, n))
-        dy = _dequantized(dy_data, dy_scale, (1,))
+        dy_data, dy_scale = bq.quantize_1x128_torch(spread(m, n))
+        dy = dequantized(dy_data, dy_scale, (1,))
         w_t = w.transpose(-2, -1)
         got = blockwise_grouped_mm(
             dy_data, dy_scale, w_data.transpose(-2, -1), w_scale.transpose(-2, -1), offs,
             torch.float32,
         )  # fmt: skip
-        assert _close(got, _grouped_reference(dy, w_t, ends, m), magnitude=_grouped_reference(
+        assert close(got, grouped_reference(dy, w_t, ends, m), magnitude=grouped_reference(
             dy.abs(), w_t.abs(), ends, m)), (m, k, n, ends)  # fmt: skip
         # Dense: one group of every row.
         got = blockwise_mm(x_data, x_scale, w_data[-1], w_scale[-1], torch.float32)
-        assert _close(got, x @ w[-1], x.abs() @ w[-1].abs()), (m, k, n)
+        assert close(got, x @ w[-1], x.abs() @ w[-1].abs()), (m, k, n)
 
 
 def _check_wgrad() -> None:
@@ -148,28 +159,23 @@ def _check_wgrad() -> None:
     torch.manual_seed(0)
     for m, k, n, ends in WGRAD_CASES:
         offs = torch.tensor(ends, dtype=torch.int32)
-        x_data, x_scale = bq.quantize_128x1_torch(_spread(m, k))
-        dy_data, dy_scale = bq.quantize_128x1_torch(_spread(m, n))
-        x, dy = _dequantized(x_data, x_scale, (0,)), _dequantized(dy_data, dy_scale, (0,))
-        want = torch.zeros(len(ends), k, n)
-        magnitude = torch.zeros(len(ends), k, n)
-        start = 0
-        for group, end in enumerate(ends):
-            want[group] = x[start:end].t() @ dy[start:end]
-            magnitude[group] = x[start:end].t().abs() @ dy[start:end].abs()
-            start = end
+        x_data, x_scale = bq.quantize_128x1_torch(spread(m, k))
+        dy_data, dy_scale = bq.quantize_128x1_torch(spread(m, n))
+        x, dy = dequantized(x_data, x_scale, (0,)), dequantized(dy_data, dy_scale, (0,))
+        want = wgrad_reference(x, dy, ends)
+        magnitude = wgrad_reference(x.abs(), dy.abs(), ends)
         # Column-major operands (what quantize_128x1 gives) and row-major.
         column_major = (x_data.t().contiguous().t(), dy_data.t().contiguous().t())
         for a, g in (column_major, (x_data, dy_data)):
             got = blockwise_grouped_mm_wgrad(a, x_scale, g, dy_scale, offs)
             assert got.dtype == torch.float32 and got.shape == (len(ends), k, n)
-            assert _close(got, want, magnitude), (m, k, n, ends)
+            assert close(got, want, magnitude), (m, k, n, ends)
         empty = [group for group, end in enumerate(ends) if end == ([0] + ends)[group]]
         assert all(torch.equal(got[group], torch.zeros(k, n)) for group in empty)
         bf16 = blockwise_grouped_mm_wgrad(x_data, x_scale, dy_data, dy_scale, offs, torch.bfloat16)
         assert torch.allclose(bf16.float(), got, rtol=2**-7, atol=1e-30)
         dense = blockwise_mm_wgrad(x_data, x_scale, dy_data, dy_scale)
-        assert _close(dense, x.t() @ dy, x.t().abs() @ dy.abs()), (m, k, n)
+        assert close(dense, x.t() @ dy, x.t().abs() @ dy.abs()), (m, k, n)
 
 
 def _run_interpreted(check: str) -> None:
