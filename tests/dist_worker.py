@@ -483,6 +483,7 @@ def _run_parallel_case(case, reference_state, job_config, tokens) -> dict:
 def _reference(model_name, num_experts, job_config, tokens, converted: bool) -> dict:
     """The unsharded model, seeded, on every rank: weights, loss, gradients."""
     from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
+    from torchtitan_fp8_moe.weight import WeightConfig
 
     spec, model_args = _parallel_model_args(model_name, num_experts, job_config)
     torch.manual_seed(0)
@@ -492,7 +493,7 @@ def _reference(model_name, num_experts, job_config, tokens, converted: bool) -> 
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     if converted:
         for _, module in expert_modules(model):
-            swap_expert_weights(module, emulate=True)
+            swap_expert_weights(module, WeightConfig(emulate=True))
     loss, grads = _loss_and_grads(model, tokens)
     return {"weights": weights, "loss": loss, "grads": grads}
 
@@ -630,11 +631,13 @@ def _fp8_all_gather_module(case: dict, mesh, fp8_all_gather: bool):
     from torch.distributed.tensor import Shard
 
     from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
+    from torchtitan_fp8_moe.weight import WeightConfig
 
     module = build_expert_module(case["kind"], case["dim0"])
     for _, expert in expert_modules(module):
         swap_expert_weights(
-            expert, emulate=True, cache_fp8=case["cache_fp8"], fp8_all_gather=fp8_all_gather
+            expert,
+            WeightConfig(emulate=True, cache_fp8=case["cache_fp8"], fp8_all_gather=fp8_all_gather),
         )
     fsdp_mesh = mesh
     if case["layout"] == "tp":

@@ -11,6 +11,7 @@ from torchtitan.models.moe.moe import (
 
 from torchtitan_fp8_moe.models.grouped_shared import GroupedSharedExpert
 from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
+from torchtitan_fp8_moe.weight import WeightConfig
 
 DIM, HIDDEN, TOKENS = 32, 64, 48
 # "tiny_routed": every dimension of the weight below the largest world size (8).
@@ -57,7 +58,7 @@ def build_expert_module(kind: str, dim0: int, seed: int = 0) -> nn.Module:
 
 def convert_to_float8_moe(module: nn.Module, cache_fp8: bool = False) -> nn.Module:
     for _, expert in expert_modules(module):
-        swap_expert_weights(expert, emulate=True, cache_fp8=cache_fp8)
+        swap_expert_weights(expert, WeightConfig(emulate=True, cache_fp8=cache_fp8))
     return module
 
 
@@ -132,7 +133,10 @@ def gathered_by_hand(weight: torch.Tensor, world: int, emulate: bool) -> torch.T
 
     rows = -(-weight.shape[0] // world)
     shards = [
-        Float8MoEWeight(weight[r * rows : (r + 1) * rows].clone(), emulate, fp8_all_gather=True)
+        Float8MoEWeight(
+            weight[r * rows : (r + 1) * rows].clone(),
+            WeightConfig(emulate=emulate, fp8_all_gather=True),
+        )
         for r in range(world)
     ]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)

@@ -9,8 +9,9 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
-from .config import SUPPORTED_RECIPES, Float8MoE
+from .config import Float8MoE
 from .conversion import convert, select_expert_modules
+from .fp8.recipes import recipe_named
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
 from .sharding import ShardPlanRow, format_plan
 from .swap import is_grouped_experts
@@ -112,11 +113,7 @@ class Float8MoEConverter:
                 "float8_moe: the job config has no [float8_moe] section; set "
                 'job.custom_config_module = "torchtitan_fp8_moe.config"'
             )
-        if config.recipe not in SUPPORTED_RECIPES:
-            raise ValueError(
-                f"float8_moe: recipe {config.recipe!r} is not supported; "
-                f"use one of {list(SUPPORTED_RECIPES)}"
-            )
+        self.recipe = recipe_named(config.recipe)  # raises naming the option when unknown
         self.policy = config.policy  # checked by conversion.convert
         training = job_config.training
         # What each rank's experts multiply per forward: a pipeline runs micro-batches of
@@ -185,6 +182,7 @@ class Float8MoEConverter:
         self.shard_plan = convert(
             model,
             fqns=self.fqns,
+            recipe=self.recipe.name,
             emulate=self.emulate,
             cache_fp8_weights=self.cache_fp8_weights,
             fp8_all_gather=self.fp8_all_gather,
@@ -200,7 +198,8 @@ class Float8MoEConverter:
         log = logger.warning if not fp8_rows else logger.info
         log(
             f"float8_moe: converted {len(fp8_rows)} expert weights of {len(targets)} modules to "
-            f"fp8 rowwise, {self.path} path ({self.path_reason}), policy {self.policy}"
+            f"{self.recipe.description}, {self.path} path ({self.path_reason}), "
+            f"policy {self.policy}"
             + (
                 f" (kept {kept} in bf16: fp8 estimated slower at {self.tokens} tokens per rank "
                 'and micro-batch; policy = "always" forces fp8)'

@@ -17,10 +17,10 @@ from torchao.prototype.moe_training.kernels import (
 )
 
 from .gemm import column_major
+from .kernels.triton_per_group import per_group_colwise_fp8_pair
+from .kernels.triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
+from .kernels.triton_transposed import transposed_fp8
 from .quantize import FP8_DTYPE, amax_along
-from .triton_per_group import per_group_colwise_fp8_pair
-from .triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
-from .triton_transposed import transposed_fp8
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
