@@ -55,7 +55,9 @@ def _ref_grouped(x, w, offs, grad):
 
 
 def _blockwise_weight(w: torch.Tensor, **config) -> nn.Parameter:
-    return nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig("blockwise", emulate=True, **config)))
+    return nn.Parameter(
+        Float8MoEWeight(w.clone(), WeightConfig("blockwise", emulate=True, **config))
+    )
 
 
 def _routed(x, weight, offs):

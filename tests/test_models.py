@@ -214,7 +214,7 @@ def test_gpt_oss_experts_sqnr_vs_float32(grouped):
 
 # One config per model: (config, weights converted, overrides on top of trainer_runs' SMALL).
 # Qwen3's 64 experts are the slowest to emulate: 2 of its 8 layers (the trainer batch's test
-# flavor, tests/trainer_batch.py), 2 steps of 32 tokens.
+# flavor, tests/harness/trainer_batch.py), 2 steps of 32 tokens.
 MODEL_RUNS = {
     # 5 MoE layers x (3 routed grouped + 3 shared FeedForward weights)
     "deepseek_v3": ("train_configs/deepseek_v3_debug.toml", 30, ["--training.steps=3"]),
