@@ -8,7 +8,7 @@ the same shape converts like torchtitan's:
   ``GptOssGroupedExperts`` (``mlp1_weight/mlp2_weight``; its 2D biases stay plain) and the
   ``[1, out, in]`` grouped shared expert qualify; a ``Conv1d`` (one 3D weight) or a module with
   a 4D parameter does not. The module must use them through ``torch._grouped_mm``, ``bmm`` or
-  2D matmuls of ``w[e]``: any other use of a converted weight raises (``weight.py``);
+  2D matmuls of ``w[e]``: any other use of a converted weight raises (``weight/``);
 - FeedForward-style experts: ``nn.Linear`` children ``w1/w2/w3`` (torchtitan's shared experts).
 """
 

@@ -48,8 +48,11 @@ class BlockwiseRecipe(Recipe):
         """Per group ``a_g^T @ grad_g`` of ``a [M, K]``, ``grad [M, N]`` with scales per
         128-token block of each group (``blockwise_quantize.token_blocks``)."""
         if not emulate:
+            # On CUDA every group starts at a multiple of 128 (token_group_alignment): the
+            # blocks are the global 128-row blocks, the first ceil(M / 128) slots.
+            blocks = -(-a.shape[0] // BLOCK)
             return _cuda_kernels().blockwise_grouped_mm_wgrad(
-                a, a_scale, grad, grad_scale, offs, out_dtype=out_dtype
+                a, a_scale[:blocks], grad, grad_scale[:blocks], offs, out_dtype=out_dtype
             )
         blocks, _ = token_blocks(offs, a.shape[0])
         a_hp = a.float() * per_block_token_scales(a_scale.reciprocal(), blocks)
