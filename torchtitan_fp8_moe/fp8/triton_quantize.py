@@ -3,11 +3,11 @@
 Same outputs as ``torch_quantize.py`` (fp8 data, fp32 power-of-2 multipliers), laid out the way
 the fp8 GEMMs want them: activations row-major, weights column-major per expert. Our kernels
 throughout (faster than torchao's, docs/benchmarks/): one-pass rowwise casts
-(``kernels/triton_rowwise.py``; for rows longer than 4096 the weight's forward cast also takes the amax
-of the other orientation),
-the single-read transposed weight cast (``kernels/triton_transposed.py``) and the per-group casts of the
-weight gradient without token-count autotuning (``kernels/triton_per_group.py``). Only rows longer than
-our rowwise kernel holds in registers use torchao's kernels.
+(``kernels/triton_rowwise.py``; for rows longer than 4096 the weight's forward cast also takes
+the amax of the other orientation), the single-read transposed weight cast
+(``kernels/triton_transposed.py``) and the per-group casts of the weight gradient without
+token-count autotuning (``kernels/triton_per_group.py``). Only rows longer than our rowwise
+kernel holds in registers use torchao's kernels.
 """
 
 import torch
