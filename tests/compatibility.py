@@ -321,7 +321,10 @@ ROWS = [
         REFUSED,
         "the converter (and so the preflight) names the weight, its local shape, the 128 rule "
         "and what to change",
-        ["test_blockwise_sharded.py::test_tensor_parallel_split_off_the_block_grid_is_refused"],
+        [
+            "test_blockwise_sharded.py::test_tensor_parallel_split_off_the_block_grid_is_refused",
+            "test_blockwise_sharded.py::test_preflight_checks_the_128_rule",
+        ],
     ),
     (
         '`recipe = "blockwise"` on CUDA',

@@ -8,13 +8,15 @@ import logging
 import pytest
 from harness.suites.blockwise import BLOCKWISE_PARALLEL_CASES
 from test_converter import CUSTOM_CONFIG, _convert, _parallel_dims
+from test_preflight import _preflight
 
-pytestmark = pytest.mark.slow  # one 2-rank launch of torchtitan's TP on the debug model
+from torchtitan_fp8_moe.preflight import EXIT_FAILED, EXIT_OK
 
 LOSS_GAP, EXPERT_GRAD_DB = 5e-4, 25.0
 BLOCKWISE = [CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.recipe=blockwise"]
 
 
+@pytest.mark.slow  # one 2-rank launch of torchtitan's TP on the debug model
 @pytest.mark.parametrize("case", [c[0] for c in BLOCKWISE_PARALLEL_CASES])
 def test_tensor_parallel_blockwise_matches_unsharded(dist_results, case):
     ranks = dist_results("blockwise_parallel", 2)
@@ -39,6 +41,22 @@ def test_tensor_parallel_split_off_the_block_grid_is_refused():
     message = str(error.value)
     for part in ("recipe blockwise", "multiple of 128", "float8_moe.recipe", ".moe."):
         assert part in message, message
+
+
+def test_preflight_checks_the_128_rule(capsys):
+    """The preflight, planning for CUDA without GPUs: TP 2 (256-wide local hidden dims) passes
+    and names the recipe; TP 8 fails with the converter's message."""
+    config = ["--config", "train_configs/llama4_debug.toml", "--float8_moe.recipe=blockwise"]
+    rc, out, _ = _preflight(
+        capsys, *config, "--ngpu", "4", "--parallelism.tensor_parallel_degree=2"
+    )
+    assert rc == EXIT_OK and "float8_moe: fp8 blockwise" in out, out
+    rc, out, err = _preflight(
+        capsys, *config, "--ngpu", "8", "--parallelism.tensor_parallel_degree=8"
+    )
+    assert (
+        rc == EXIT_FAILED and "recipe blockwise needs that dim to be a multiple of 128" in out + err
+    )
 
 
 def test_plan_log_says_the_recipe(caplog):
