@@ -18,21 +18,13 @@ from types import ModuleType
 
 import torch
 
-Quantized = tuple[torch.Tensor, ...]
-
 
 class Recipe:
     """The recipe interface; one module per recipe implements it (``rowwise.py``,
-    ``blockwise.py``). Instances are stateless: equal by class, hashable (compile guards)."""
+    ``blockwise.py``). Stateless: ``recipe_named`` hands out one instance per recipe."""
 
     name: str
     description: str  # for the converter's log: "fp8 rowwise (...)"
-
-    def __eq__(self, other) -> bool:
-        return type(self) is type(other)
-
-    def __hash__(self) -> int:
-        return hash(type(self).__name__)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
