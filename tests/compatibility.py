@@ -327,6 +327,15 @@ ROWS = [
         ],
     ),
     (
+        '`recipe = "blockwise"` emulated with the model compiled by inductor (`compile.backend '
+        '= "inductor"`)',
+        REFUSED,
+        "inductor (torch 2.13, CPU) miscompiles the emulated blockwise GEMMs when the forward and "
+        "both gradients compile together (dynamo and AOTAutograd alone give eager's results bit "
+        'for bit); the error names `compile.backend = "aot_eager"` and the other ways out',
+        ["test_blockwise.py::test_inductor_with_the_emulated_recipe_is_refused"],
+    ),
+    (
         '`recipe = "blockwise"` on CUDA',
         GPU_ONLY,
         "the GEMMs are the kernels of `fp8/kernels/blockwise_gemm.py`; without that module the "

@@ -183,6 +183,19 @@ def test_blockwise_sqnr_clearly_higher_with_outlier_blocks(projection):
     assert blockwise["output"] >= 23 and blockwise["weight grad"] >= 21
 
 
+def test_inductor_with_the_emulated_recipe_is_refused():
+    """Inductor (torch 2.13, CPU) miscompiles the emulated blockwise GEMMs when the forward
+    and both gradients compile together (outputs far from eager's, seen while writing
+    test_compiles_fullgraph_like_eager): the converter refuses that combination, naming the
+    options that work."""
+    from test_converter import CUSTOM_CONFIG, _convert
+
+    args = [CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.recipe=blockwise"]
+    with pytest.raises(ValueError, match='compile.backend = "aot_eager"'):
+        _convert([*args, "--compile.enable"])
+    _convert([*args, "--compile.enable", "--compile.backend=aot_eager"])  # traced whole: works
+
+
 def test_compiles_fullgraph_like_eager():
     torch.manual_seed(4)
     w = torch.randn(3, 200, 136) * 0.02

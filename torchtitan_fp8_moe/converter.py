@@ -74,6 +74,20 @@ def check_cpu_context_parallelism(parallel_dims: ParallelDims) -> None:
         )
 
 
+def _check_blockwise_compile_backend(backend: str) -> None:
+    """The emulated blockwise GEMMs trace whole (dynamo and AOTAutograd give eager's results
+    bit for bit), but inductor on CPU (torch 2.13) miscompiles their forward and backward
+    together: outputs far from eager's (tests/test_blockwise.py)."""
+    if backend == "inductor":
+        raise ValueError(
+            'float8_moe: recipe "blockwise" emulated (no CUDA, or emulate = true) with '
+            'compile.enable and compile.components with "model" under compile.backend = '
+            '"inductor": inductor (torch 2.13, CPU) miscompiles the emulated blockwise GEMMs '
+            "when both gradients are taken (outputs far from eager's). Set compile.backend = "
+            '"aot_eager", leave "model" out of compile.components, or use recipe = "rowwise".'
+        )
+
+
 def _check_data_parallelism(parallel_dims: ParallelDims) -> None:
     """Replicas without FSDP are torch's DDP, which broadcasts the weights at its first forward
     with ``aten.cat``, an op a converted weight refuses rather than leave fp8."""
@@ -165,6 +179,8 @@ class Float8MoEConverter:
                 "float8_moe: this GPU has no fp8 tensor cores (they need sm89+); set "
                 "`[float8_moe] emulate = true` to train with emulated fp8 numerics"
             )
+        if self.compiled and self.emulate and self.recipe.name == "blockwise":
+            _check_blockwise_compile_backend(job_config.compile.backend)
         if job_config.compile.enable:
             # Inductor otherwise fuses the bf16 -> fp32 -> fp8 casts of the quantization into
             # one rounding, which changes the fp8 values (pytorch/pytorch#150859).

@@ -30,16 +30,22 @@ def _padded_to_blocks(x: torch.Tensor, *dims: int) -> torch.Tensor:
     return F.pad(x, pad) if any(pad) else x
 
 
+def _block_of(size: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(size, device=device) // BLOCK
+
+
+# Gathers, not repeat_interleave and a slice: inductor (torch 2.13, CPU) lowered that form of a
+# ragged last tile wrongly (the second tile's elements got other scales).
 def expand_tiles(scales: torch.Tensor, size: int) -> torch.Tensor:
     """Scales of 1 x 128 tiles ``[..., ceil(size / 128)]`` as one per element ``[..., size]``."""
-    return scales.repeat_interleave(BLOCK, dim=-1)[..., :size]
+    return scales[..., _block_of(size, scales.device)]
 
 
 def expand_blocks(scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Scales of 128 x 128 blocks ``[G, ceil(rows / 128), ceil(cols / 128)]`` as one per
     element ``[G, rows, cols]``."""
-    per_row = scales.repeat_interleave(BLOCK, dim=-2)[..., :rows, :]
-    return per_row.repeat_interleave(BLOCK, dim=-1)[..., :cols]
+    per_row = scales[..., _block_of(rows, scales.device), :]
+    return per_row[..., _block_of(cols, scales.device)]
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
