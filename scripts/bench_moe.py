@@ -47,13 +47,15 @@ def _to_torchao(module: nn.Module) -> nn.Module:
 def _to_float8_moe(module: nn.Module, emulate: bool = False) -> nn.Module:
     """Every expert module's weights as ``Float8MoEWeight`` (``emulate``: the CPU path, for dry
     runs of the benchmarks)."""
-    from torchtitan_fp8_moe import Float8MoEWeight
+    from torchtitan_fp8_moe import Float8MoEWeight, WeightConfig
     from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
 
     if isinstance(module, Projection):
-        module.weight = nn.Parameter(Float8MoEWeight(module.weight.data, emulate=emulate))
+        module.weight = nn.Parameter(
+            Float8MoEWeight(module.weight.data, WeightConfig(emulate=emulate))
+        )
     for _, expert in expert_modules(module):
-        swap_expert_weights(expert, emulate=emulate)
+        swap_expert_weights(expert, WeightConfig(emulate=emulate))
     return module
 
 

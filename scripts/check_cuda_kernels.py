@@ -65,21 +65,22 @@ def _reference_wgrad(a, grad, offs) -> torch.Tensor:
 def _patch() -> None:
     from torchtitan_fp8_moe.fp8 import gemm, torch_quantize, triton_quantize
     from torchtitan_fp8_moe.fp8.quantize import dequantize
+    from torchtitan_fp8_moe.fp8.recipes import rowwise
 
-    cuda_grouped_mm, cuda_wgrad = gemm.grouped_mm, gemm.grouped_wgrad_mm
+    cuda_grouped_mm, cuda_wgrad = rowwise.grouped_mm, rowwise.grouped_wgrad_mm
 
-    def grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, use_cuda_kernels):
-        out = cuda_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, use_cuda_kernels)
-        if use_cuda_kernels:
+    def grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate):
+        out = cuda_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate)
+        if not emulate:
             rows = int(offs[-1])
             want = _reference_grouped(dequantize(a, a_scale), dequantize(b, b_scale), offs)
             shapes = (tuple(a.shape), tuple(b.shape))
             _record("gemm", shapes, out[:rows], want[:rows], _sizes(offs))
         return out
 
-    def grouped_wgrad_mm(a, a_scale, grad, grad_scale, offs, out_dtype, use_cuda_kernels):
-        out = cuda_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype, use_cuda_kernels)
-        if use_cuda_kernels:
+    def grouped_wgrad_mm(a, a_scale, grad, grad_scale, offs, out_dtype, emulate):
+        out = cuda_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype, emulate)
+        if not emulate:
             groups = gemm.token_groups(offs, a.shape[0])
             a_hp = a.float() * gemm.per_token(a_scale.reciprocal(), groups)
             grad_hp = grad.float() * gemm.per_token(grad_scale.reciprocal(), groups)
@@ -88,7 +89,7 @@ def _patch() -> None:
             _record("wgrad_gemm", shapes, out, want, _sizes(offs))
         return out
 
-    gemm.grouped_mm, gemm.grouped_wgrad_mm = grouped_mm, grouped_wgrad_mm
+    rowwise.grouped_mm, rowwise.grouped_wgrad_mm = grouped_mm, grouped_wgrad_mm
 
     def pair_values(result, offs):
         groups = gemm.token_groups(offs, result[0].shape[0])

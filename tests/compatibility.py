@@ -270,8 +270,76 @@ ROWS = [
     (
         "Token counts not a multiple of 16 on CUDA",
         GPU_ONLY,
-        "the converter sets torchtitan's token-group alignment to 16, so torchtitan pads the "
-        "routed groups; not exercised apart from the runs above",
+        "the converter sets torchtitan's token-group alignment to 16 (128 for `recipe = "
+        '"blockwise"`, so that no 128-token block of the weight gradient straddles two groups), '
+        "so torchtitan pads the routed groups; not exercised apart from the runs above",
+        [],
+    ),
+    (
+        '`recipe = "rowwise"` (the default) through the recipe seam (`fp8/recipes/`)',
+        WORKS,
+        "forward, input and weight gradients bit-identical to the rowwise fp8 ops called "
+        "directly (and to the code before the seam); every other row of this table runs it",
+        [
+            "test_recipe_rowwise_seam.py::test_rowwise_through_the_seam_is_bit_identical_to_its_fp8_ops"
+        ],
+    ),
+    (
+        '`recipe = "blockwise"` (1x128 activation tiles, 128x128 weight blocks, 128x1 token '
+        "tiles of each group for the weight gradient), emulated: routed (grouped, offsets, "
+        "empty groups, ragged K / N / groups), grouped shared and FeedForward experts; "
+        "torch.compile(fullgraph)",
+        WORKS,
+        "forward, input and weight gradients against a plain fp64 reference of the contract "
+        "(1e-5); per-projection SQNR at least rowwise's on Gaussian data and 6 dB above it "
+        "(output) with outlier channel blocks; compiled = eager bit for bit",
+        [
+            "test_blockwise.py::test_grouped_fwd_dgrad_wgrad_match_the_contract",
+            "test_blockwise.py::test_dense_linear_matches_the_contract",
+            "test_blockwise.py::test_blockwise_sqnr_at_least_rowwise_on_normal_data",
+            "test_blockwise.py::test_blockwise_sqnr_clearly_higher_with_outlier_blocks",
+            "test_blockwise.py::test_compiles_fullgraph_like_eager",
+        ],
+    ),
+    (
+        '`recipe = "blockwise"` with FSDP (uneven dim 0), `fp8_all_gather`, tensor parallelism '
+        "at 128-aligned local shards; the Llama4 and DeepSeek-V3 debug models in the trainer",
+        WORKS,
+        "sharded = unsharded within 1e-5 at world 1-8 (FSDP); fp8 all-gather bit-identical to "
+        "the bf16 gather at world 2 and 3; TP 2 loss within 5e-4 and expert gradients above 25 "
+        "dB of the unsharded model; trainer losses within 0.03 of bf16",
+        [
+            "test_fsdp_uneven.py::test_uneven_fsdp_matches_unsharded",
+            "test_fp8_all_gather.py::test_fp8_all_gather_matches_bf16",
+            "test_blockwise_sharded.py::test_tensor_parallel_blockwise_matches_unsharded",
+            "test_blockwise_train.py::test_debug_model_trains_blockwise_tracking_bf16",
+        ],
+    ),
+    (
+        '`recipe = "blockwise"` with a tensor-parallel split off the 128 grid (a local shard\'s '
+        "split dim not a multiple of 128)",
+        REFUSED,
+        "the converter (and so the preflight) names the weight, its local shape, the 128 rule "
+        "and what to change",
+        [
+            "test_blockwise_sharded.py::test_tensor_parallel_split_off_the_block_grid_is_refused",
+            "test_blockwise_sharded.py::test_preflight_checks_the_128_rule",
+        ],
+    ),
+    (
+        '`recipe = "blockwise"` emulated with the model compiled by inductor (`compile.backend '
+        '= "inductor"`)',
+        REFUSED,
+        "inductor (torch 2.13, CPU) miscompiles the emulated blockwise GEMMs when the forward and "
+        "both gradients compile together (dynamo and AOTAutograd alone give eager's results bit "
+        'for bit); the error names `compile.backend = "aot_eager"` and the other ways out',
+        ["test_blockwise.py::test_inductor_with_the_emulated_recipe_is_refused"],
+    ),
+    (
+        '`recipe = "blockwise"` on CUDA',
+        GPU_ONLY,
+        "the GEMMs are the kernels of `fp8/kernels/blockwise_gemm.py`; without that module the "
+        "first blockwise GEMM on CUDA raises, naming `emulate` and `recipe`",
         [],
     ),
 ]

@@ -5,9 +5,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from fork_launch import ForkServer
+from harness.fork_launch import ForkServer
 
 TESTS_DIR = Path(__file__).parent
+DIST_WORKER = TESTS_DIR / "harness" / "dist_worker.py"
 _launch_cache: dict[tuple[str, int], list[dict]] = {}
 # Suites that share one launch at a world size (each process start costs seconds on 2 cores).
 # The torchao seed suite goes last: it leaves the ranks out of step by design.
@@ -27,9 +28,9 @@ def launch_suite(
     timeout_s: int = 600,
     env: dict | None = None,
 ) -> list[dict]:
-    """Run ``tests/dist_worker.py SUITE`` (``tests/fork_launch.py``) once per (suite, world
-    size), together with the suites it shares a launch with, and return every rank's results for
-    SUITE (cached for the session). ``env``: extra variables."""
+    """Run ``tests/harness/dist_worker.py SUITE`` (``tests/harness/fork_launch.py``) once per
+    (suite, world size), together with the suites it shares a launch with, and return every
+    rank's results for SUITE (cached for the session). ``env``: extra variables."""
     shared = SHARED_LAUNCHES.get(world_size, "")
     launched = shared if suite in shared.split("+") else suite
     key = (launched, world_size)
@@ -37,7 +38,7 @@ def launch_suite(
         out_dir = tmp_root / f"{launched}-w{world_size}"
         out_dir.mkdir(parents=True, exist_ok=True)
         env = dict(DIST_TIMEOUT_S=str(timeout_s), **(env or {}))
-        args = [f"--nproc={world_size}", str(TESTS_DIR / "dist_worker.py"), launched, str(out_dir)]
+        args = [f"--nproc={world_size}", str(DIST_WORKER), launched, str(out_dir)]
         proc = server.run(args, env, TESTS_DIR.parent, timeout=timeout_s * 3)
         results = []
         for rank in range(world_size):
@@ -56,9 +57,9 @@ def launch_suite(
 
 @pytest.fixture(scope="session")
 def fork_server(tmp_path_factory):
-    """Every multi-process launch of the session is a fork of this server (tests/fork_launch.py):
-    torch and torchtitan are imported once."""
-    scripts = [str(TESTS_DIR / "trainer_batch.py"), str(TESTS_DIR / "dist_worker.py")]
+    """Every multi-process launch of the session is a fork of this server
+    (tests/harness/fork_launch.py): torch and torchtitan are imported once."""
+    scripts = [str(TESTS_DIR / "harness" / "trainer_batch.py"), str(DIST_WORKER)]
     server = ForkServer(tmp_path_factory.mktemp("fork_server"), "torchtitan.train", scripts)
     yield server
     server.close()

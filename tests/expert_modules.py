@@ -11,6 +11,7 @@ from torchtitan.models.moe.moe import (
 
 from torchtitan_fp8_moe.models.grouped_shared import GroupedSharedExpert
 from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
+from torchtitan_fp8_moe.weight import WeightConfig
 
 DIM, HIDDEN, TOKENS = 32, 64, 48
 # "tiny_routed": every dimension of the weight below the largest world size (8).
@@ -55,9 +56,11 @@ def build_expert_module(kind: str, dim0: int, seed: int = 0) -> nn.Module:
     return module
 
 
-def convert_to_float8_moe(module: nn.Module, cache_fp8: bool = False) -> nn.Module:
+def convert_to_float8_moe(
+    module: nn.Module, cache_fp8: bool = False, recipe: str = "rowwise"
+) -> nn.Module:
     for _, expert in expert_modules(module):
-        swap_expert_weights(expert, emulate=True, cache_fp8=cache_fp8)
+        swap_expert_weights(expert, WeightConfig(recipe, emulate=True, cache_fp8=cache_fp8))
     return module
 
 
@@ -90,10 +93,13 @@ _COMBOS = [
 ]
 
 
-def _case(kind, dim0, combo):
+def _case(kind, dim0, combo, recipe="rowwise"):
     reshard, dtype, cache_fp8 = combo
     return {
-        "name": f"{kind}-dim0={dim0}-reshard={reshard}-{dtype}" + ("-cache" if cache_fp8 else ""),
+        "name": f"{kind}-dim0={dim0}-reshard={reshard}-{dtype}"
+        + ("-cache" if cache_fp8 else "")
+        + ("" if recipe == "rowwise" else f"-{recipe}"),
+        "recipe": recipe,
         "kind": kind,
         "dim0": dim0,
         "reshard_after_forward": reshard,
@@ -109,6 +115,9 @@ def fsdp_cases(world_size: int) -> list[dict]:
     cases += [_case("linear_shared", HIDDEN, combo) for combo in _COMBOS[:2]]
     cases += [_case("for_loop", 3, combo) for combo in _COMBOS[2:]]
     cases += [_case("tiny_routed", 2, _COMBOS[0])]  # world sizes above every weight dim
+    # The blockwise recipe: an uneven expert split (5 over 2-4 ranks) and the 2D shared expert.
+    cases += [_case("routed", 5, _COMBOS[1], "blockwise")]
+    cases += [_case("linear_shared", HIDDEN, _COMBOS[0], "blockwise")]
     return cases
 
 
@@ -122,7 +131,9 @@ class _FsdpMesh:
         return self._size
 
 
-def gathered_by_hand(weight: torch.Tensor, world: int, emulate: bool) -> torch.Tensor:
+def gathered_by_hand(
+    weight: torch.Tensor, world: int, emulate: bool, recipe: str = "rowwise"
+) -> torch.Tensor:
     """``weight [E, out, in]`` unsharded as FSDP2 does it with ``fp8_all_gather`` over ``world``
     dim-0 shards, the all-gather done by hand (FSDP2 concatenates each input along dim 0): the
     shards' pre-all-gather hooks, then the post-all-gather hook."""
@@ -132,7 +143,10 @@ def gathered_by_hand(weight: torch.Tensor, world: int, emulate: bool) -> torch.T
 
     rows = -(-weight.shape[0] // world)
     shards = [
-        Float8MoEWeight(weight[r * rows : (r + 1) * rows].clone(), emulate, fp8_all_gather=True)
+        Float8MoEWeight(
+            weight[r * rows : (r + 1) * rows].clone(),
+            WeightConfig(recipe, emulate=emulate, fp8_all_gather=True),
+        )
         for r in range(world)
     ]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)

@@ -14,7 +14,7 @@ from expert_modules import (
 )
 from torchtitan.models.moe.moe import _run_experts_grouped_mm
 
-from torchtitan_fp8_moe.weight import Float8MoEWeight
+from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
 # Inductor's C++ compilation: about 45 s on 2 cores from an empty cache, as every session starts.
 pytestmark = pytest.mark.slow
@@ -83,7 +83,7 @@ def test_compiled_fp8_gathered_weight_equals_eager():
         grad, w.grad = w.grad, None
         return out.detach(), x_leaf.grad, grad
 
-    quantizing = torch.nn.Parameter(Float8MoEWeight(weight.clone(), emulate=True))
+    quantizing = torch.nn.Parameter(Float8MoEWeight(weight.clone(), WeightConfig(emulate=True)))
     want = fwd_bwd(experts, quantizing)
     gathered_weight = torch.nn.Parameter(gathered_by_hand(weight, world=2, emulate=True))
     assert type(gathered_weight).__name__ == "Float8GatheredWeight"

@@ -10,7 +10,7 @@ import sys
 CHECK = r"""
 import json, torch
 from torchtitan_fp8_moe import cpu
-from torchtitan_fp8_moe import Float8MoEWeight
+from torchtitan_fp8_moe import Float8MoEWeight, WeightConfig
 
 torch.manual_seed(0)
 bf16 = torch.bfloat16
@@ -75,7 +75,7 @@ def exact(name, t):
 def ulps(x, ref):
     return ((x.double() - ref).abs() / (ref.abs().clamp_min(1e-3) * 2.0**-8)).max().item()
 
-weight = Float8MoEWeight(torch.randn(48, 40, dtype=bf16), emulate=True)
+weight = Float8MoEWeight(torch.randn(48, 40, dtype=bf16), WeightConfig(emulate=True))
 fp8_before = a.detach() @ weight
 x32, y32 = torch.randn(33, 17), torch.randn(17, 9)
 fp32_before = x32 @ y32

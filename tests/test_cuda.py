@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from expert_modules import gathered_by_hand
 
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
-from torchtitan_fp8_moe.weight import Float8MoEWeight, fp8_kernels_available
+from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig, fp8_kernels_available
 
 if not (torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda"))):
     pytest.skip("needs a CUDA device with fp8 (sm89+)", allow_module_level=True)
@@ -45,13 +45,39 @@ def test_cuda_kernels_match_emulation(forward, shape, dtype):
     grad = torch.randn(M, H, device="cuda", dtype=dtype)
     results = []
     for emulate in (True, False):
-        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), emulate=emulate))
+        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(emulate=emulate)))
         xi = x.clone().requires_grad_()
         out = forward(xi, weight)
         out.backward(grad)
         results.append((out, xi.grad, weight.grad))
     for emulated, cuda in zip(*results, strict=True):
         assert cuda.dtype == emulated.dtype == dtype
+        assert sqnr(emulated, cuda) > 35
+
+
+@pytest.mark.parametrize(
+    "forward,shape",
+    [(_routed, (E, H, D)), (_grouped_shared, (1, H, D)), (_linear, (H, D))],
+    ids=["routed", "grouped_shared", "linear"],
+)
+def test_blockwise_cuda_kernels_match_emulation(forward, shape):
+    """The blockwise recipe's CUDA GEMMs (fp8/kernels/blockwise_gemm.py) against its emulation:
+    same fp8 operands and scales (OFFS' groups start at multiples of 128, as the CUDA kernels'
+    weight-gradient blocks need)."""
+    pytest.importorskip("torchtitan_fp8_moe.fp8.kernels.blockwise_gemm")
+    torch.manual_seed(0)
+    w = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for emulate in (True, False):
+        config = WeightConfig("blockwise", emulate=emulate)
+        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), config))
+        xi = x.clone().requires_grad_()
+        out = forward(xi, weight)
+        out.backward(grad)
+        results.append((out, xi.grad, weight.grad))
+    for emulated, cuda in zip(*results, strict=True):
         assert sqnr(emulated, cuda) > 35
 
 
@@ -68,7 +94,7 @@ def test_rowwise_kernel_matches_the_torch_rules(shape, dtype):
     """Our one-pass Triton kernel gives the bytes and scales of quantize.py's torch rules, on
     rows spanning 10 decades of magnitude, an all-zero row and a row at the fp8 limit."""
     from torchtitan_fp8_moe.fp8 import quantize_rowwise
-    from torchtitan_fp8_moe.fp8.triton_rowwise import rowwise_fp8
+    from torchtitan_fp8_moe.fp8.kernels.triton_rowwise import rowwise_fp8
 
     torch.manual_seed(0)
     rows = torch.logspace(-6, 4, shape[-2], device="cuda").unsqueeze(-1)
@@ -84,7 +110,7 @@ def test_rowwise_kernel_matches_the_torch_rules(shape, dtype):
 def test_rowwise_kernel_keeps_non_finite_values_in_their_rows():
     """A NaN or Inf makes its own row non-finite (never silently finite); other rows exact."""
     from torchtitan_fp8_moe.fp8 import quantize_rowwise
-    from torchtitan_fp8_moe.fp8.triton_rowwise import rowwise_fp8
+    from torchtitan_fp8_moe.fp8.kernels.triton_rowwise import rowwise_fp8
 
     x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
     x[2, 5], x[5, 7] = float("nan"), float("inf")
@@ -155,7 +181,9 @@ def test_weight_cache_on_cuda_matches_uncached():
     w = torch.randn(E, H, D, device="cuda", dtype=torch.bfloat16) * 0.02
     grads = []
     for cache in (False, True):
-        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), emulate=False, cache_fp8=cache))
+        weight = torch.nn.Parameter(
+            Float8MoEWeight(w.clone(), WeightConfig(emulate=False, cache_fp8=cache))
+        )
         for micro in range(2):
             torch.manual_seed(micro)
             x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
@@ -173,7 +201,7 @@ def test_compiled_projection_equals_eager_on_cuda():
     x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
     results = []
     for forward in (_routed, torch.compile(_routed, fullgraph=True)):
-        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), emulate=False))
+        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(emulate=False)))
         x_in = x.clone().requires_grad_()
         out = forward(x_in, weight)
         out.float().square().sum().backward()
@@ -204,7 +232,7 @@ def test_fp8_all_gather_on_cuda_equals_the_unsharded_weight(experts, world):
     compiled_fn = torch.compile(experts_fn, fullgraph=True)
     results = []
     for weight, fn in [
-        (Float8MoEWeight(w.clone(), emulate=False), experts_fn),
+        (Float8MoEWeight(w.clone(), WeightConfig(emulate=False)), experts_fn),
         (unsharded, experts_fn),
         (unsharded, compiled_fn),
     ]:

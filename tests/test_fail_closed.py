@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
-from torchtitan_fp8_moe.weight import Float8MoEWeight
+from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
 H, D, M = 48, 32, 24
 E4M3_MAX = 448.0
@@ -42,7 +42,7 @@ def assert_fp8(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
 
 def _weight(shape=(1, H, D), cache_fp8=False):
     plain = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    return plain, Float8MoEWeight(plain.clone(), emulate=True, cache_fp8=cache_fp8)
+    return plain, Float8MoEWeight(plain.clone(), WeightConfig(emulate=True, cache_fp8=cache_fp8))
 
 
 X = torch.randn(M, D, generator=torch.Generator().manual_seed(1))

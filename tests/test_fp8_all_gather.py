@@ -10,7 +10,7 @@ case is in the fast loop; every case runs in the two launches."""
 import logging
 
 import pytest
-from dist_worker import fp8_all_gather_cases
+from harness.suites.fp8_all_gather import fp8_all_gather_cases
 from test_converter import CUSTOM_CONFIG, _convert, _parallel_dims
 
 FAST_CASE = "routed-4-dim0-reshard=True"

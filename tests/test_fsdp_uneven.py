@@ -5,8 +5,8 @@ takes its checkpoint's, hold the live weights after training and after a load, a
 from them holds the unsharded model's trained weights."""
 
 import pytest
-from dist_worker import STEPS
 from expert_modules import fsdp_cases
+from harness.suites.fsdp import STEPS
 
 from torchtitan_fp8_moe.sharding import rows_per_rank
 

@@ -13,7 +13,7 @@ from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import get_train_spec
 from trainer_runs import losses, needs, trainer_run
 
-from torchtitan_fp8_moe import Float8MoEWeight
+from torchtitan_fp8_moe import Float8MoEWeight, WeightConfig
 from torchtitan_fp8_moe.cpu import enable_moe_ops
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.swap import is_grouped_experts, swap_expert_weights
@@ -117,7 +117,7 @@ def test_unequal_expert_counts_are_not_grouped_experts():
     module.a, module.b = nn.Parameter(torch.zeros(4, 8, 8)), nn.Parameter(torch.zeros(2, 8, 8))
     assert not is_grouped_experts(module)
     with pytest.raises(TypeError, match=r"different expert counts \(a E=4, b E=2\)"):
-        swap_expert_weights(module, emulate=True)
+        swap_expert_weights(module, WeightConfig(emulate=True))
 
 
 def test_model_without_experts_error_lists_what_was_looked_at():
@@ -188,7 +188,10 @@ def test_gpt_oss_experts_sqnr_vs_float32(grouped):
     enable_moe_ops()  # the grouped path's token padding, on CPU
     reference = _gpt_oss_experts(grouped=False)
     fp8 = _gpt_oss_experts(grouped)
-    assert [n for n, _ in swap_expert_weights(fp8, emulate=True)] == ["mlp1_weight", "mlp2_weight"]
+    assert [n for n, _ in swap_expert_weights(fp8, WeightConfig(emulate=True))] == [
+        "mlp1_weight",
+        "mlp2_weight",
+    ]
     x = torch.randn(GPT_TOKENS, GPT_DIM)
     counts = torch.tensor([GPT_TOKENS // 2, 0, GPT_TOKENS // 4, GPT_TOKENS // 4])
     x_ref, x_fp8 = x.clone().requires_grad_(), x.bfloat16().requires_grad_()
@@ -211,7 +214,7 @@ def test_gpt_oss_experts_sqnr_vs_float32(grouped):
 
 # One config per model: (config, weights converted, overrides on top of trainer_runs' SMALL).
 # Qwen3's 64 experts are the slowest to emulate: 2 of its 8 layers (the trainer batch's test
-# flavor, tests/trainer_batch.py), 2 steps of 32 tokens.
+# flavor, tests/harness/trainer_batch.py), 2 steps of 32 tokens.
 MODEL_RUNS = {
     # 5 MoE layers x (3 routed grouped + 3 shared FeedForward weights)
     "deepseek_v3": ("train_configs/deepseek_v3_debug.toml", 30, ["--training.steps=3"]),

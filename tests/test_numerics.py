@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from torchtitan_fp8_moe.fp8 import FP8_MAX, dequantize, quantize_rowwise, rowwise_scales
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
-from torchtitan_fp8_moe.weight import Float8MoEWeight
+from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
 OUT_DB, INPUT_GRAD_DB, WEIGHT_GRAD_DB = 23.0, 28.0, 21.0
 NOT_FP8_DB = 40.0
@@ -27,7 +27,7 @@ def _fp8_and_reference(weight_shape, forward, x):
     torch.manual_seed(0)
     w = torch.randn(weight_shape) * 0.02
     w_hp = w.clone().requires_grad_()
-    w_fp8 = nn.Parameter(Float8MoEWeight(w.bfloat16(), emulate=True))
+    w_fp8 = nn.Parameter(Float8MoEWeight(w.bfloat16(), WeightConfig(emulate=True)))
     x_hp = x.detach().clone().requires_grad_()
     x_fp8 = x.detach().clone().bfloat16().requires_grad_()
     out_hp, out_fp8 = forward(x_hp, w_hp), forward(x_fp8, w_fp8)
@@ -134,7 +134,7 @@ def test_tiny_but_nonzero_values_quantize_like_any_others(tiny, exponent):
 
     def run(w, x):
         x = x.clone().requires_grad_()
-        weight = nn.Parameter(Float8MoEWeight(w.clone(), emulate=True))
+        weight = nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(emulate=True)))
         out = F.linear(x, weight)
         out.backward(grad)
         return out.float(), x.grad.float(), weight.grad.float()
@@ -153,7 +153,7 @@ def test_tiny_but_nonzero_values_quantize_like_any_others(tiny, exponent):
 
 
 def test_unsupported_call_form_raises_instead_of_bf16():
-    w = Float8MoEWeight(torch.randn(2, 16, 16), emulate=True)
+    w = Float8MoEWeight(torch.randn(2, 16, 16), WeightConfig(emulate=True))
     with pytest.raises(NotImplementedError, match="float8_moe"):
         torch.einsum("md,ehd->meh", torch.randn(4, 16), w)
     with pytest.raises(NotImplementedError, match="float8_moe"):
@@ -161,7 +161,7 @@ def test_unsupported_call_form_raises_instead_of_bf16():
 
 
 def test_non_emulated_weight_without_fp8_kernels_raises():
-    w = Float8MoEWeight(torch.randn(16, 16), emulate=False)
+    w = Float8MoEWeight(torch.randn(16, 16), WeightConfig(emulate=False))
     with pytest.raises(RuntimeError, match="emulate = true"):
         F.linear(torch.randn(4, 16), w)
 
@@ -172,7 +172,7 @@ def test_non_finite_activation_poisons_only_its_row(bad):
     and leaves every other token's output exactly as without it: the scales of the finite rows
     stay finite."""
     torch.manual_seed(0)
-    w = Float8MoEWeight(torch.randn(HIDDEN, DIM) * 0.02, emulate=True)
+    w = Float8MoEWeight(torch.randn(HIDDEN, DIM) * 0.02, WeightConfig(emulate=True))
     x = torch.randn(16, DIM)
     clean = F.linear(x, w)
     x[3, 7] = bad
@@ -197,7 +197,7 @@ def test_non_finite_weight_poisons_only_its_output_column(bad):
     for value in (0.0, bad):
         w = torch.randn(EXPERTS, HIDDEN, DIM, generator=torch.Generator().manual_seed(0)) * 0.02
         w[e, n, k] = value
-        weight = Float8MoEWeight(w.bfloat16(), emulate=True)
+        weight = Float8MoEWeight(w.bfloat16(), WeightConfig(emulate=True))
         x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(1)).bfloat16()
         x.requires_grad_()
         out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
@@ -229,7 +229,7 @@ def test_non_finite_weight_gives_a_nan_loss_in_llama4():
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
     for _, module in expert_modules(model):
-        swap_expert_weights(module, emulate=True)
+        swap_expert_weights(module, WeightConfig(emulate=True))
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
     loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
     assert torch.isfinite(loss)

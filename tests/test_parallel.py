@@ -1,15 +1,16 @@
 """Tensor, expert and expert-tensor parallelism with float8_moe, against the unsharded model.
 
 One launch of 4 ranks (gloo, CPU) runs torchtitan's own Llama4 parallelization for each case of
-``dist_worker.PARALLEL_CASES`` on the converted debug model, loaded with the weights of an
-unsharded converted model, and compares the loss and the expert weights' gradients with it. Per
-case the scales of a shard differ from the unsharded ones where a shard splits a GEMM's
-contraction dim (tensor_parallel.py says which), so the bar is fp8-noise level, not equality:
+``PARALLEL_CASES`` (harness/suites/parallel.py) on the converted debug model, loaded with the
+weights of an unsharded converted model, and compares the loss and the expert weights'
+gradients with it. Per case the scales of a shard differ from the unsharded ones where a shard
+splits a GEMM's contraction dim (tensor_parallel.py says which), so the bar is fp8-noise level,
+not equality:
 measured gaps 2e-6 to 9e-5 in the loss (fp8 vs bf16 of the same model: 1e-4), expert gradient
 SQNR 31.6-32.1 dB against the unsharded converted model."""
 
 import pytest
-from dist_worker import PARALLEL_CASES
+from harness.suites.parallel import PARALLEL_CASES
 
 pytestmark = pytest.mark.slow  # one 4-rank launch of 7 parallelisms: about a minute
 

@@ -3,13 +3,13 @@
 Each layout (world size 1-8; pipeline, HSDP, tensor, context, expert and expert-tensor degrees;
 2 to 8 routed experts, converted or left to torch; the pipeline's microbatches) goes to `python
 -m torchtitan_fp8_moe.preflight --target cpu` and to torchtitan's own Trainer on CPU ranks for
-one step (tests/trainer_batch.py), since some layouts only fail at step 1. Preflight must refuse
-exactly the layouts the launch fails on. Issue #25's three layouts are always among them.
+one step (tests/harness/trainer_batch.py), since some layouts only fail at step 1. Preflight must
+refuse exactly the layouts the launch fails on. Issue #25's three layouts are always among them.
 
 The launches: one per world size, its layouts one after the other, through the session's fork
-server (tests/fork_launch.py). A layout that fails ends its launch (trainer_batch stops every
-rank: a failed rank would leave the others waiting in a collective); the layouts after it go to
-the next launch.
+server (tests/harness/fork_launch.py). A layout that fails ends its launch (trainer_batch stops
+every rank: a failed rank would leave the others waiting in a collective); the layouts after it
+go to the next launch.
 
 This module is also the launches' `experimental.custom_import`: importing it registers the
 flavors below, in the preflight (pytest) process and in every rank.
@@ -180,7 +180,7 @@ def launch_verdicts(server, world: int, layouts_of_world: list[Layout], out: Pat
         spec = out / f"w{world}-{len(verdicts)}.json"
         spec.write_text(json.dumps({"runs": todo}))
         argv = [f"--nproc={world}", "--preimport=test_preflight_layouts"]
-        argv += [str(REPO / "tests" / "trainer_batch.py"), str(spec)]
+        argv += [str(REPO / "tests" / "harness" / "trainer_batch.py"), str(spec)]
         try:
             proc = server.run(argv, {}, REPO, timeout=LAUNCH_TIMEOUT_S)
             ended = f"the launch exited with {proc.returncode}: {proc.stderr[-500:]}"

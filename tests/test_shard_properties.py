@@ -8,7 +8,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
 from torchtitan_fp8_moe.sharding import plan_weight
-from torchtitan_fp8_moe.weight import Float8MoEWeight
+from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
 
 class _Mesh:
@@ -37,7 +37,7 @@ def test_plan_and_all_gather_padding_match_fsdp_chunking(dim0, world, rest):
         rows = chunks[rank].shape[0]
         shard = full.narrow(0, start, rows)
         start += rows
-        local = Float8MoEWeight(shard, emulate=True)
+        local = Float8MoEWeight(shard, WeightConfig(emulate=True))
         (data,), metadata = local.fsdp_pre_all_gather(
             _Mesh(world), full.shape, None, None, MixedPrecisionPolicy()
         )

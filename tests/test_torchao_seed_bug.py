@@ -11,7 +11,7 @@ SEED_MESSAGE = "fsdp_pre_all_gather must return all-gather inputs with the padde
 
 def test_torchao_wrapper_fails_on_uneven_shard(dist_results):
     # Rank 0 holds the whole weight and waits in the all-gather until the gloo timeout
-    # (dist_worker's SEED_BUG_TIMEOUT_S).
+    # (harness/suites/torchao_seed's SEED_BUG_TIMEOUT_S).
     ranks = dist_results("torchao_seed", 8)
     errors = [r.get("error", "") for r in ranks]
     if not any(errors):

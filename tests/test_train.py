@@ -223,14 +223,14 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
 def _debug_model(converted: bool):
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from torchtitan_fp8_moe import Float8MoEWeight
+    from torchtitan_fp8_moe import Float8MoEWeight, WeightConfig
     from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
 
     spec = get_train_spec("llama4_grouped_shared")
     model = spec.model_cls(spec.model_args["debugmodel"])
     if converted:
         for _, module in expert_modules(model):
-            swap_expert_weights(module, emulate=True)
+            swap_expert_weights(module, WeightConfig(emulate=True))
         assert any(isinstance(p, Float8MoEWeight) for p in model.parameters())
     return model
 

@@ -27,8 +27,8 @@ CASES = [
 
 def _check_per_group_colwise() -> None:
     from torchtitan_fp8_moe.fp8 import gemm, torch_quantize
+    from torchtitan_fp8_moe.fp8.kernels.triton_per_group import cast_per_group_colwise
     from torchtitan_fp8_moe.fp8.quantize import FP8_MAX
-    from torchtitan_fp8_moe.fp8.triton_per_group import cast_per_group_colwise
 
     torch.manual_seed(0)
     for tokens, cols, ends in CASES:
@@ -70,9 +70,9 @@ def _weight(groups, k, n):
 
 def _check_weight_casts() -> None:
     from torchtitan_fp8_moe.fp8 import torch_quantize
+    from torchtitan_fp8_moe.fp8.kernels.triton_rowwise import cast_rows
+    from torchtitan_fp8_moe.fp8.kernels.triton_transposed import cast_transposed
     from torchtitan_fp8_moe.fp8.quantize import FP8_MAX, scales_from_amax
-    from torchtitan_fp8_moe.fp8.triton_rowwise import cast_rows
-    from torchtitan_fp8_moe.fp8.triton_transposed import cast_transposed
 
     torch.manual_seed(0)
     for shape in WEIGHT_SHAPES:
@@ -137,7 +137,8 @@ def test_kernels_are_custom_ops_only_where_needed():
     op's dispatch (host time) and run the implementation directly."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchtitan_fp8_moe.fp8 import gemm, triton_per_group, triton_rowwise, triton_transposed
+    from torchtitan_fp8_moe.fp8 import gemm
+    from torchtitan_fp8_moe.fp8.kernels import triton_per_group, triton_rowwise, triton_transposed
     from torchtitan_fp8_moe.fp8.quantize import FP8_DTYPE
 
     x = torch.empty(6, 40, device="meta", dtype=torch.bfloat16)

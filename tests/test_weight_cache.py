@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan_fp8_moe.fp8 import torch_quantize
 from torchtitan_fp8_moe.fp8.weight_cache import clear_all
 from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
-from torchtitan_fp8_moe.weight import Float8MoEWeight
+from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
 MICRO_BATCHES, STEPS, EXPERTS = 2, 3, 4
 
@@ -35,7 +35,7 @@ def weight_quantizations(monkeypatch):
 def _train(kind: str, cache_fp8: bool, counts: dict, clear_after_step: bool):
     module = build_expert_module(kind, EXPERTS)
     for _, expert in expert_modules(module):
-        swap_expert_weights(expert, emulate=True, cache_fp8=cache_fp8)
+        swap_expert_weights(expert, WeightConfig(emulate=True, cache_fp8=cache_fp8))
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     per_step, history = [], []
     for step in range(STEPS):
@@ -76,7 +76,7 @@ def test_cache_follows_in_place_changes_and_clears():
     """A weight changed in place between two uses is re-quantized; clear_all drops the copies."""
     module = build_expert_module("linear_shared", EXPERTS)
     ((_, expert),) = expert_modules(module)
-    swap_expert_weights(expert, emulate=True, cache_fp8=True)
+    swap_expert_weights(expert, WeightConfig(emulate=True, cache_fp8=True))
     x, _, _ = expert_inputs("linear_shared", EXPERTS, 0)
     x = x.bfloat16()
     first = module(x)
@@ -85,7 +85,7 @@ def test_cache_follows_in_place_changes_and_clears():
     second = module(x)
     reference = build_expert_module("linear_shared", EXPERTS)
     ((_, ref_expert),) = expert_modules(reference)
-    swap_expert_weights(ref_expert, emulate=True)
+    swap_expert_weights(ref_expert, WeightConfig(emulate=True))
     with torch.no_grad():
         ref_expert.w1.weight.mul_(2)
     assert not torch.equal(first, second)
@@ -102,7 +102,7 @@ def _cached_and_fresh(kind: str = "linear_shared"):
     for cache_fp8 in (True, False):
         module = build_expert_module(kind, EXPERTS)
         for _, expert in expert_modules(module):
-            swap_expert_weights(expert, emulate=True, cache_fp8=cache_fp8)
+            swap_expert_weights(expert, WeightConfig(emulate=True, cache_fp8=cache_fp8))
         modules.append(module)
     x, routing, _ = expert_inputs(kind, EXPERTS, 0)
     return modules, (x.bfloat16(), *routing)
@@ -172,16 +172,18 @@ def test_copies_share_a_cache_until_one_is_written():
     assert w._cache.quantizations == before
     with torch.no_grad():
         b.mul_(2)
-    expected = torch.nn.functional.linear(x, Float8MoEWeight(b._data.clone(), emulate=True))
+    expected = torch.nn.functional.linear(
+        x, Float8MoEWeight(b._data.clone(), WeightConfig(emulate=True))
+    )
     assert torch.equal(torch.nn.functional.linear(x, b), expected)
     assert torch.equal(
         torch.nn.functional.linear(x, a),
-        torch.nn.functional.linear(x, Float8MoEWeight(a._data.clone(), emulate=True)),
+        torch.nn.functional.linear(x, Float8MoEWeight(a._data.clone(), WeightConfig(emulate=True))),
     )
     c = w.float()  # a new copy after the write: a fresh cache, the weight's own values
     assert torch.equal(
         torch.nn.functional.linear(x, c),
-        torch.nn.functional.linear(x, Float8MoEWeight(w._data.float(), emulate=True)),
+        torch.nn.functional.linear(x, Float8MoEWeight(w._data.float(), WeightConfig(emulate=True))),
     )
 
 

@@ -1,10 +1,10 @@
-"""Trainer runs shared by the trainer tests, launched in batches (`tests/trainer_batch.py`).
+"""Trainer runs shared by the trainer tests, launched in batches (`tests/harness/trainer_batch.py`).
 
 A test module declares the runs it reads with ``trainer_run(...)`` at import and marks each test
 with the runs it needs (``needs(...)``); conftest's ``trainer_log`` fixture hands a run's log to
 the test. Every run of the same world size whose tests are selected goes into one launch
-(`tests/fork_launch.py`): on 2 CPU cores each launch's start (imports, rendezvous) costs seconds,
-often more than a run itself.
+(`tests/harness/fork_launch.py`): on 2 CPU cores each launch's start (imports, rendezvous) costs
+seconds, often more than a run itself.
 
 A run that reads another's output (a checkpoint) names it in ``after``: it is launched in the
 same batch after it when both have the same world size, otherwise in a later launch; with
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from fork_launch import ForkServer
+from harness.fork_launch import ForkServer
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS_DIR = REPO / "tests"
@@ -29,9 +29,9 @@ SMALL = [
     "--metrics.disable_color_printing",
 ]
 # Most runs train 2 of the llama4 debug model's 6 layers, one dense and one MoE (the flavor
-# tests/trainer_batch.py registers): 4-5 s a 4-rank run instead of 11-16 s, 16-21 s instead of
-# 51 s the seed's 8-rank run. Six layers: the README job, the bf16-vs-fp8 curves, the model
-# families.
+# tests/harness/trainer_batch.py registers): 4-5 s a 4-rank run instead of 11-16 s, 16-21 s
+# instead of 51 s the seed's 8-rank run. Six layers: the README job, the bf16-vs-fp8 curves, the
+# model families.
 TWO_LAYERS = "--model.flavor=debugmodel_2layers"
 
 
@@ -211,7 +211,11 @@ class BatchLauncher:
         names = "-".join(sorted(r.name for r in batch))[:80]
         spec_path = self.root / f"batch-w{run.ranks}-{len(self._logs)}-{names}.json"
         spec_path.write_text(json.dumps({"runs": specs}, indent=1))
-        args = [f"--nproc={run.ranks}", str(TESTS_DIR / "trainer_batch.py"), str(spec_path)]
+        args = [
+            f"--nproc={run.ranks}",
+            str(TESTS_DIR / "harness" / "trainer_batch.py"),
+            str(spec_path),
+        ]
         proc = self.server.run(args, {}, REPO, timeout=600 * len(batch))
         for r in batch:
             log_path = self.out(r.name) / f"rank{r.log_rank}.log"

@@ -12,9 +12,16 @@ from . import (
 from .conversion import convert
 from .converter import Float8MoEConverter
 from .sharding import ShardPlanRow, format_plan
-from .weight import Float8MoEWeight
+from .weight import Float8MoEWeight, WeightConfig
 
 # Uneven FSDP2 shards of converted weights keep their storage (state dicts stay live).
 fsdp_shard_buffer.install()
 
-__all__ = ["Float8MoEConverter", "Float8MoEWeight", "ShardPlanRow", "convert", "format_plan"]
+__all__ = [
+    "Float8MoEConverter",
+    "Float8MoEWeight",
+    "ShardPlanRow",
+    "WeightConfig",
+    "convert",
+    "format_plan",
+]

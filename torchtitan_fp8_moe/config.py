@@ -5,13 +5,15 @@
 
 from dataclasses import dataclass, field
 
-SUPPORTED_RECIPES = ("rowwise",)
-
 
 @dataclass
 class Float8MoE:
     recipe: str = "rowwise"
-    """fp8 scaling recipe. Only "rowwise" (per-row power-of-2 scales, float8_e4m3fn)."""
+    """fp8 scaling recipe (float8_e4m3fn, power-of-2 scales; torchtitan_fp8_moe/fp8/recipes/).
+    "rowwise": one scale per row of each GEMM operand along its contraction. "blockwise":
+    activations and gradients in 1x128 tiles, weights in 128x128 blocks, the weight gradient's
+    operands in 128x1 tiles of each expert's tokens: outliers spoil one block, not a whole row;
+    under tensor parallelism each rank's split dim must be a multiple of 128."""
 
     fqns: list[str] = field(default_factory=lambda: ["experts", "shared_expert"])
     """Module FQN substrings whose expert weights are converted: grouped-experts modules

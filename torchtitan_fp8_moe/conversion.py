@@ -1,4 +1,4 @@
-"""``convert``: give a model's MoE expert weights fp8 rowwise training, in one call.
+"""``convert``: give a model's MoE expert weights fp8 training (rowwise or blockwise), in one call.
 
 The torchtitan converter (``converter.py``) calls it with the job's settings; without torchtitan's
 trainer, call it on any module tree before parallelizing it::
@@ -32,20 +32,19 @@ from .swap import (
     num_experts,
     swap_expert_weights,
 )
-from .weight import fp8_kernels_available
+from .weight import WeightConfig, fp8_kernels_available
 
 if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims
 
 DEFAULT_FQNS = ("experts", "shared_expert")
-# fp8 GEMMs need both matrix dims of each rank's weight to be multiples of this.
-FP8_MATRIX_ALIGNMENT = 16
 
 
 def convert(
     model: nn.Module,
     *,
     fqns: Sequence[str] = DEFAULT_FQNS,
+    recipe: str = "rowwise",
     emulate: bool | None = None,
     cache_fp8_weights: bool = False,
     fp8_all_gather: bool = False,
@@ -59,6 +58,7 @@ def convert(
     """Convert ``model``'s expert modules in place and return the shard plan of their weights.
 
     ``fqns``: FQN substrings of the expert modules to convert (none may be empty).
+    ``recipe``: how the fp8 GEMMs scale their operands, "rowwise" or "blockwise" (``config.py``).
     ``emulate``: run fp8 numerics emulated (quantize, dequantize, fp32 matmul); None: emulate
     unless a CUDA device with fp8 tensor cores (sm89+) is present.
     ``cache_fp8_weights``, ``fp8_all_gather``: ``config.py`` describes them.
@@ -75,6 +75,8 @@ def convert(
     targets = select_expert_modules(model, fqns)
     if emulate is None:
         emulate = not (torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda")))
+    config = WeightConfig(recipe, emulate, cache_fp8_weights, fp8_all_gather)
+    fp8_recipe = config.fp8_recipe
     path = path or ("emulated" if emulate else "cuda")
     auto = policy == "auto" and not emulate
     if auto and not tokens:
@@ -96,20 +98,20 @@ def convert(
             # Under auto, a weight kept bf16 may be split unevenly by TP, as torchtitan does for
             # any plain weight; only an fp8 weight needs equal shares.
             row = _plan_row(fqn, tuple(param.shape), kind, parallel_dims, itemsize, path, not auto)
-            row = with_all_gather(row, all_gather_dtype, fp8_all_gather)
+            row = with_all_gather(row, all_gather_dtype, fp8_all_gather, fp8_recipe)
             if auto:
                 row = _decide(row, rows, compiled)
             if row.fp8:
-                if not emulate:
-                    _check_fp8_shape(fqn, row.shape, row.local_shape)
+                fp8_recipe.check_local_shape(fqn, row.local_shape, row.tp_dim, emulate)
                 chosen.add(name)
             plan.append(row)
         if chosen:
-            swap_expert_weights(module, emulate, cache_fp8_weights, fp8_all_gather, chosen)
-    if not emulate and torch.cuda.is_available() and any(row.fp8 for row in plan):
-        # torch's fp8 grouped GEMM needs 16-row token groups: torchtitan's MoE pads them to this
-        # (with its default, a device-side assert poisons the process at the first backward).
-        set_token_group_alignment_size_m(FP8_MATRIX_ALIGNMENT)
+            swap_expert_weights(module, config, chosen)
+    alignment = fp8_recipe.token_group_alignment(emulate)
+    if alignment and torch.cuda.is_available() and any(row.fp8 for row in plan):
+        # torchtitan's MoE pads each expert's token group to this many rows, as the recipe's
+        # CUDA kernels need.
+        set_token_group_alignment_size_m(alignment)
     return plan
 
 
@@ -202,15 +204,3 @@ def _no_match_message(
         "experts (shared experts))"
     )
     return "\n".join(lines)
-
-
-def _check_fp8_shape(fqn: str, shape: tuple[int, ...], local_shape: tuple[int, ...]) -> None:
-    """fp8 GEMMs of the shard each rank multiplies need both matrix dims aligned."""
-    k, n = local_shape[-1], local_shape[-2]
-    if k % FP8_MATRIX_ALIGNMENT or n % FP8_MATRIX_ALIGNMENT:
-        raise ValueError(
-            f"float8_moe: {fqn} has shape {list(shape)}, {list(local_shape)} per rank after "
-            "tensor/expert parallelism; fp8 kernels need both matrix dims to be multiples of "
-            f"{FP8_MATRIX_ALIGNMENT}. Leave it out of float8_moe.fqns or lower "
-            "parallelism.tensor_parallel_degree."
-        )

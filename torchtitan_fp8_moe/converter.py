@@ -9,8 +9,9 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
-from .config import SUPPORTED_RECIPES, Float8MoE
+from .config import Float8MoE
 from .conversion import convert, select_expert_modules
+from .fp8.recipes import recipe_named
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
 from .sharding import ShardPlanRow, format_plan
 from .swap import is_grouped_experts
@@ -73,6 +74,20 @@ def check_cpu_context_parallelism(parallel_dims: ParallelDims) -> None:
         )
 
 
+def _check_blockwise_compile_backend(backend: str) -> None:
+    """The emulated blockwise GEMMs trace whole (dynamo and AOTAutograd give eager's results
+    bit for bit), but inductor on CPU (torch 2.13) miscompiles their forward and backward
+    together: outputs far from eager's (tests/test_blockwise.py)."""
+    if backend == "inductor":
+        raise ValueError(
+            'float8_moe: recipe "blockwise" emulated (no CUDA, or emulate = true) with '
+            'compile.enable and compile.components with "model" under compile.backend = '
+            '"inductor": inductor (torch 2.13, CPU) miscompiles the emulated blockwise GEMMs '
+            "when both gradients are taken (outputs far from eager's). Set compile.backend = "
+            '"aot_eager", leave "model" out of compile.components, or use recipe = "rowwise".'
+        )
+
+
 def _check_data_parallelism(parallel_dims: ParallelDims) -> None:
     """Replicas without FSDP are torch's DDP, which broadcasts the weights at its first forward
     with ``aten.cat``, an op a converted weight refuses rather than leave fp8."""
@@ -112,11 +127,7 @@ class Float8MoEConverter:
                 "float8_moe: the job config has no [float8_moe] section; set "
                 'job.custom_config_module = "torchtitan_fp8_moe.config"'
             )
-        if config.recipe not in SUPPORTED_RECIPES:
-            raise ValueError(
-                f"float8_moe: recipe {config.recipe!r} is not supported; "
-                f"use one of {list(SUPPORTED_RECIPES)}"
-            )
+        self.recipe = recipe_named(config.recipe)  # raises naming the option when unknown
         self.policy = config.policy  # checked by conversion.convert
         training = job_config.training
         # What each rank's experts multiply per forward: a pipeline runs micro-batches of
@@ -168,6 +179,8 @@ class Float8MoEConverter:
                 "float8_moe: this GPU has no fp8 tensor cores (they need sm89+); set "
                 "`[float8_moe] emulate = true` to train with emulated fp8 numerics"
             )
+        if self.compiled and self.emulate and self.recipe.name == "blockwise":
+            _check_blockwise_compile_backend(job_config.compile.backend)
         if job_config.compile.enable:
             # Inductor otherwise fuses the bf16 -> fp32 -> fp8 casts of the quantization into
             # one rounding, which changes the fp8 values (pytorch/pytorch#150859).
@@ -185,6 +198,7 @@ class Float8MoEConverter:
         self.shard_plan = convert(
             model,
             fqns=self.fqns,
+            recipe=self.recipe.name,
             emulate=self.emulate,
             cache_fp8_weights=self.cache_fp8_weights,
             fp8_all_gather=self.fp8_all_gather,
@@ -200,7 +214,8 @@ class Float8MoEConverter:
         log = logger.warning if not fp8_rows else logger.info
         log(
             f"float8_moe: converted {len(fp8_rows)} expert weights of {len(targets)} modules to "
-            f"fp8 rowwise, {self.path} path ({self.path_reason}), policy {self.policy}"
+            f"{self.recipe.description}, {self.path} path ({self.path_reason}), "
+            f"policy {self.policy}"
             + (
                 f" (kept {kept} in bf16 at {self.tokens} tokens per rank and micro-batch, the "
                 'plan says why; policy = "always" forces fp8)'

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .fp8 import gathered
+from .fp8.recipes import Recipe
 
 if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims
@@ -46,22 +47,6 @@ def padded_shard_shape(
     return torch.Size((rows_per_rank(logical_shape[0], world_size), *logical_shape[1:]))
 
 
-def fp8_all_gather_fallback(shape: tuple[int, ...], shard_dim: int, fsdp_degree: int) -> str | None:
-    """Why a weight of ``shape`` sharded on ``shard_dim`` over ``fsdp_degree`` ranks cannot
-    all-gather fp8 payloads that its shard quantized alone (``fp8/gathered.py``), so gathers its
-    high-precision values; None when it can. Every fp8 scale runs over a whole row or column
-    of one expert, so only a split into whole experts keeps them on one rank."""
-    if fsdp_degree == 1:
-        # FSDP2 gathers nothing then, and takes a single all-gather input as the weight.
-        return "FSDP degree 1: nothing to gather"
-    if len(shape) != 3:
-        # nn.Linear [out, in] shards its out features: the input-gradient scales run over them.
-        return "2D weight: FSDP splits the out features that its input-gradient scales span"
-    if shard_dim != 0:
-        return f"FSDP shards dim {shard_dim}, inside the experts, which fp8 scales span"
-    return None
-
-
 @dataclass(frozen=True)
 class ShardPlanRow:
     fqn: str
@@ -80,6 +65,7 @@ class ShardPlanRow:
     # why fp8 cannot multiply this weight's shards (a TP split into unequal shares), if planned
     # with ``even_tp=False``; torchtitan runs such a split in bf16
     uneven_tp: str = ""
+    tp_dim: int | None = None  # the dim tensor parallelism splits, if it does
 
 
 def plan_weight(
@@ -118,22 +104,21 @@ def plan_weight(
 
 
 def with_all_gather(
-    row: ShardPlanRow, dtype: torch.dtype | None, fp8_all_gather: bool
+    row: ShardPlanRow, dtype: torch.dtype | None, fp8_all_gather: bool, recipe: Recipe
 ) -> ShardPlanRow:
     """``row`` with what FSDP all-gathers for the weight with ``fp8_all_gather``: its fp8
-    payloads where the shard can quantize them, else its ``dtype`` values and why (None: no
-    FSDP, nothing gathered), and the padding bytes of that."""
+    payloads (laid out by ``recipe``) where the shard can quantize them, else its ``dtype``
+    values and why (None: no FSDP, nothing gathered), and the padding bytes of that."""
     if dtype is None or not fp8_all_gather:
         return row
     name = str(dtype).removeprefix("torch.")
-    reason = fp8_all_gather_fallback(row.shape, row.shard_dim, row.fsdp_degree)
+    reason = recipe.all_gather_fallback(row.shape, row.shard_dim, row.fsdp_degree)
     if reason is not None:
         return replace(row, all_gather=f"{name} ({reason})")
     padding_rows = row.rows_per_rank * row.fsdp_degree - row.shape[0]
     pad = gathered.uneven(row.shape[0], row.fsdp_degree)
-    return replace(
-        row, all_gather="fp8", padding_bytes=padding_rows * gathered.row_bytes(row.shape[1:], pad)
-    )
+    row_bytes = gathered.row_bytes(row.shape[1:], pad, recipe)
+    return replace(row, all_gather="fp8", padding_bytes=padding_rows * row_bytes)
 
 
 def format_plan(rows: list[ShardPlanRow]) -> str:
@@ -255,6 +240,7 @@ def plan_expert_weight(
     # TP splits the routed experts unless it is borrowed for EP (ep > 1, etp = 1); it splits
     # every shared expert.
     tp_degree = dims.etp if routed and dims.ep_enabled else dims.tp
+    tp_dim = None
     if tp_degree > 1:
         tp_dim = _TP_DIM[("linear" if kind == "linear" else "grouped", projection(fqn))]
         if local[tp_dim] % tp_degree:
@@ -279,4 +265,4 @@ def plan_expert_weight(
     row = plan_weight(
         fqn, tuple(local), degree, shard_dim, itemsize, path, ", ".join(splits) or "-"
     )
-    return replace(row, uneven_tp=uneven_tp)
+    return replace(row, uneven_tp=uneven_tp, tp_dim=tp_dim)

@@ -8,7 +8,7 @@ the same shape converts like torchtitan's:
   ``GptOssGroupedExperts`` (``mlp1_weight/mlp2_weight``; its 2D biases stay plain) and the
   ``[1, out, in]`` grouped shared expert qualify; a ``Conv1d`` (one 3D weight) or a module with
   a 4D parameter does not. The module must use them through ``torch._grouped_mm``, ``bmm`` or
-  2D matmuls of ``w[e]``: any other use of a converted weight raises (``weight.py``);
+  2D matmuls of ``w[e]``: any other use of a converted weight raises (``weight/``);
 - FeedForward-style experts: ``nn.Linear`` children ``w1/w2/w3`` (torchtitan's shared experts).
 """
 
@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .tensor_parallel import Float8MoELinear
-from .weight import Float8MoEWeight
+from .weight import Float8MoEWeight, WeightConfig
 
 _PROJECTIONS = ("w1", "w2", "w3")
 
@@ -148,15 +148,11 @@ def expert_weight_names(module: nn.Module) -> list[str]:
 
 
 def swap_expert_weights(
-    module: nn.Module,
-    emulate: bool,
-    cache_fp8: bool = False,
-    fp8_all_gather: bool = False,
-    names: set[str] | None = None,
+    module: nn.Module, config: WeightConfig, names: set[str] | None = None
 ) -> list[tuple[str, nn.Parameter]]:
     """Wrap the expert weights of an expert module in place (other parameters such as biases
-    stay plain); returns (name, new parameter) with ``expert_weight_names``' names. ``names``:
-    only these of them."""
+    stay plain), each carrying ``config``; returns (name, new parameter) with
+    ``expert_weight_names``' names. ``names``: only these of them."""
     owners = []  # (name, the module holding the parameter, its attribute there)
     for name in expert_weight_names(module):
         prefix, _, attr = name.rpartition(".")
@@ -177,7 +173,7 @@ def swap_expert_weights(
         if isinstance(param, Float8MoEWeight):
             raise ValueError(f"float8_moe: {name} of {type(module).__name__} is already converted")
         new_param = nn.Parameter(
-            Float8MoEWeight(param.data, emulate, cache_fp8, fp8_all_gather),
+            Float8MoEWeight(param.data, config),
             requires_grad=param.requires_grad,
         )
         setattr(owner, attr, new_param)

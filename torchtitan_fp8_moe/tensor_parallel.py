@@ -4,7 +4,7 @@ Under tensor parallelism torchtitan turns expert weights into DTensors over the 
 local shards are our ``Float8MoEWeight``. Grouped experts multiply ``w.to_local()`` themselves, so
 their local shards reach our fp8 overrides. ``nn.Linear`` multiplies the DTensors, which reaches
 the local shards as ``aten.mm`` below those overrides, where the weight tensor refuses it
-(``weight.py``). ``Float8MoELinear`` is the ``nn.Linear`` of a converted FeedForward: it
+(``weight/``). ``Float8MoELinear`` is the ``nn.Linear`` of a converted FeedForward: it
 multiplies the local shards with ``F.linear`` (fp8 forward, input gradient and weight gradient)
 and gives back the DTensor that torchtitan's ``ColwiseParallel`` / ``RowwiseParallel`` expect.
 

@@ -2,16 +2,18 @@
 
 torchtitan's experts multiply ``x @ w^T`` for ``w [E, out, in]``, so the fp8 GEMM's right operand
 is ``b = w^T [E, K=in, N=out]``. Both orientations of ``b`` that the GEMM quantizes
-(``scaled_grouped_mm.py``) have one scale per expert row or column:
-- "forward": ``b`` with a scale per (expert, out) over ``in``;
-- "input_grad": ``b^T = w`` with a scale per (expert, in) over ``out``.
+(``scaled_grouped_mm.py``) have scales that lie within one expert, whatever the recipe:
+- "forward": ``b`` (rowwise: a scale per (expert, out) over ``in``; blockwise: per 128x128 block);
+- "input_grad": ``b^T = w`` (rowwise: a scale per (expert, in) over ``out``; blockwise: the same
+  blocks, transposed).
 So a shard of whole experts (FSDP's dim-0 split) quantizes to exactly the slice of the unsharded
 weight's payloads, and gathering the shards' payloads gives the unsharded weight's, bit for bit.
+The recipe says the per-expert shapes of the scales (``Recipe.payload_scale_shapes``).
 
 Every rank's all-gather inputs are three tensors (FSDP2 all-gathers each along dim 0):
 - the forward fp8 data and the input-gradient fp8 data, each ``[rows, out, in]`` (the padded
   shard shape; stored in the quantizer's own memory order, reinterpreted to that shape);
-- the fp32 scales of both orientations, ``[rows, out + in]`` per rank. When dim 0 splits
+- the fp32 scales of both orientations, flattened, ``[rows, S]`` per rank. When dim 0 splits
   unevenly, FSDP2 requires every input of every rank to have the padded shard shape, so the
   scales' bytes then travel in a ``[rows, out, in]`` tensor of the narrowest integer dtype that
   holds them (zeros after them): 3 bytes per element in all instead of bf16's 2.
@@ -20,11 +22,11 @@ Padding rows quantize as zeros with finite scales and are narrowed off after the
 
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from .scaled_grouped_mm import quantize_weight, quantizer_for
+from .recipes import Recipe
+from .scaled_grouped_mm import quantize_weight
 from .weight_cache import WeightPayloads, WeightQuantizer
 
 FORWARD, INPUT_GRAD = "forward", "input_grad"
@@ -48,19 +50,23 @@ class GatherLayout:
     logical_shape: tuple[int, ...]  # the unsharded weight, [E, out, in]
     dtype: torch.dtype  # the high-precision dtype the payloads were quantized from
     data: dict[str, StoredData]
+    scale_shapes: tuple[tuple[int, ...], tuple[int, ...]]  # per expert: forward, input_grad
 
 
 def quantize_shard(
-    shard: torch.Tensor, use_cuda_kernels: bool, cached: WeightQuantizer | None
+    shard: torch.Tensor, recipe: Recipe, emulate: bool, cached: WeightQuantizer | None
 ) -> WeightPayloads:
     """Both orientations' fp8 data and scales of ``shard [rows, out, in]`` as the fp8 GEMM
-    quantizes its operand ``b = shard^T``: forward ``[rows, in, out]`` with scales
-    ``[rows, 1, out]``; input gradient ``[rows, out, in]`` with scales ``[rows, 1, in]``.
-    ``cached`` reuses the shard's fp8 copies while it is unchanged (``weight_cache.py``)."""
-    quantize = quantizer_for(use_cuda_kernels)
+    quantizes its operand ``b = shard^T``: forward ``[rows, in, out]``, input gradient
+    ``[rows, out, in]``, scales as ``recipe`` lays them out. ``cached`` reuses the shard's fp8
+    copies while it is unchanged (``weight_cache.py``)."""
+    quantize = recipe.quantizers(emulate)
     b = shard.transpose(-2, -1)
-    data, scales, amax_over_n = quantize_weight(b, FORWARD, quantize.weight, cached)
-    transposed = partial(quantize.weight_transposed, amax_over_n=amax_over_n)
+    data, scales, state = quantize_weight(b, FORWARD, quantize.weight, cached)
+
+    def transposed(b):
+        return quantize.weight_transposed(b, state)
+
     return WeightPayloads(data, scales, *quantize_weight(b, INPUT_GRAD, transposed, cached))
 
 
@@ -80,18 +86,22 @@ def _scale_carrier(trailing: tuple[int, ...], scale_bytes: int) -> torch.dtype:
     raise ValueError(f"fp8 all-gather: no carrier for {scale_bytes} scale bytes in {trailing}")
 
 
-def row_bytes(trailing: tuple[int, ...], pad: bool) -> int:
+def _scale_numel(recipe: Recipe, trailing: tuple[int, ...]) -> int:
+    return sum(math.prod(shape) for shape in recipe.payload_scale_shapes(*trailing))
+
+
+def row_bytes(trailing: tuple[int, ...], pad: bool, recipe: Recipe) -> int:
     """All-gather bytes per row (expert) of a weight whose rows are ``trailing`` [out, in];
     ``pad``: dim 0 splits unevenly."""
     numel = math.prod(trailing)
-    scale_bytes = sum(trailing) * _SCALE_DTYPE.itemsize
+    scale_bytes = _scale_numel(recipe, trailing) * _SCALE_DTYPE.itemsize
     if pad:
         scale_bytes = numel * _scale_carrier(trailing, scale_bytes).itemsize
     return 2 * numel + scale_bytes
 
 
 def _scales_input(scales: torch.Tensor, padded_shape: torch.Size, pad: bool) -> torch.Tensor:
-    """``scales [rows, out + in]`` as an all-gather input: as they are, or (``pad``) their bytes
+    """``scales [rows, S]`` as an all-gather input: as they are, or (``pad``) their bytes
     in a tensor of the padded shard shape."""
     if not pad:
         return scales
@@ -119,6 +129,7 @@ def all_gather_inputs(
     logical_shape: tuple[int, ...],
     dtype: torch.dtype,
     world_size: int,
+    recipe: Recipe,
 ) -> tuple[tuple[torch.Tensor, ...], GatherLayout]:
     """The all-gather inputs of a padded shard's ``quantize_shard`` payloads (module docstring),
     and the layout to unpack the gathered outputs with."""
@@ -137,7 +148,8 @@ def all_gather_inputs(
     )
     pad = uneven(logical_shape[0], world_size)
     inputs.append(_scales_input(scales, padded_shape, pad))
-    return tuple(inputs), GatherLayout(tuple(logical_shape), dtype, stored)
+    scale_shapes = recipe.payload_scale_shapes(*logical_shape[1:])
+    return tuple(inputs), GatherLayout(tuple(logical_shape), dtype, stored, scale_shapes)
 
 
 def _gathered_data(gathered: torch.Tensor, stored: StoredData, experts: int) -> torch.Tensor:
@@ -149,19 +161,20 @@ def unpack(outputs: tuple[torch.Tensor, ...], layout: GatherLayout) -> WeightPay
     """The unsharded weight's payloads (as ``quantize_shard`` gives them), as views of the
     all-gather outputs with the padding rows narrowed off."""
     forward_data, input_grad_data, scale_carrier = outputs
-    experts, out_features, _ = layout.logical_shape
+    experts = layout.logical_shape[0]
     world_rows = scale_carrier.shape[0]
-    scale_numel = out_features + layout.logical_shape[2]
+    forward_shape, input_grad_shape = layout.scale_shapes
+    forward_numel = math.prod(forward_shape)
+    scale_numel = forward_numel + math.prod(input_grad_shape)
     scales = (
         scale_carrier.reshape(world_rows, -1)
         .view(torch.uint8)[:, : scale_numel * _SCALE_DTYPE.itemsize]
         .view(_SCALE_DTYPE)
         .narrow(0, 0, experts)
-        .unsqueeze(1)
     )
     return WeightPayloads(
         _gathered_data(forward_data, layout.data[FORWARD], experts),
-        scales[..., :out_features],
+        scales[:, :forward_numel].unflatten(1, forward_shape),
         _gathered_data(input_grad_data, layout.data[INPUT_GRAD], experts),
-        scales[..., out_features:],
+        scales[:, forward_numel:].unflatten(1, input_grad_shape),
     )

@@ -1,9 +1,8 @@
-"""GEMMs on quantized operands: real fp8 kernels on CUDA, an exact emulation elsewhere.
+"""The emulated fp8 GEMMs' building blocks, shared by every recipe (``recipes/``).
 
-Every function takes fp8 data with fp32 multipliers from ``quantize.py`` and returns
-``sum_k dequant(a)[m, k] * dequant(b)[k, n]``. The emulated path dequantizes (exact, the scales
-are powers of two) and multiplies in fp32, so it checks the same numerics as the CUDA kernels up
-to fp32 accumulation order.
+A recipe's emulated GEMM dequantizes its fp8 operands (exact, the scales are powers of two) and
+multiplies in fp32 with these, so it checks the same numerics as the CUDA kernels up to fp32
+accumulation order.
 
 Grouped shapes follow ``torch._grouped_mm``: ``offs`` holds the int32 end offset of each group
 along the token dimension M. Rows past the last offset belong to no group and come out as zeros.
@@ -17,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from .opaque import compile_opaque
-from .quantize import dequantize
 
 # torch._grouped_mm wants 16-byte aligned strides: fp32 rows a multiple of 4 elements.
 FP32_ALIGNMENT = 4
@@ -84,82 +82,3 @@ grouped_wgrad_mm_fp32 = compile_opaque(
 def column_major(x: torch.Tensor) -> torch.Tensor:
     """``x`` with its last two dims stored column-major (no copy if they already are)."""
     return x.transpose(-2, -1).contiguous().transpose(-2, -1)
-
-
-def grouped_mm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    offs: torch.Tensor,
-    out_dtype: torch.dtype,
-    use_cuda_kernels: bool,
-) -> torch.Tensor:
-    """``a [M, K]`` (scales ``[M, 1]``) times ``b [G, K, N]`` (scales ``[G, 1, N]``) per group."""
-    if use_cuda_kernels:
-        if b.shape[0] == 1:
-            # One group is a plain GEMM; _scaled_mm is faster than the grouped kernel for it.
-            out = torch._scaled_mm(
-                a,
-                column_major(b[0]),
-                scale_a=a_scale.reciprocal(),
-                scale_b=b_scale[0].reciprocal(),
-                out_dtype=torch.bfloat16,
-                use_fast_accum=True,
-            )
-        else:
-            out = torch._scaled_grouped_mm(
-                a,
-                column_major(b),
-                a_scale.reciprocal().squeeze(-1),
-                b_scale.reciprocal().squeeze(-2),
-                offs=offs,
-                out_dtype=torch.bfloat16,
-                use_fast_accum=True,
-            )
-        return out.to(out_dtype)
-    out = grouped_mm_fp32(dequantize(a, a_scale), dequantize(b, b_scale), offs)
-    return out.to(out_dtype)
-
-
-def grouped_wgrad_mm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    grad: torch.Tensor,
-    grad_scale: torch.Tensor,
-    offs: torch.Tensor,
-    out_dtype: torch.dtype,
-    use_cuda_kernels: bool,
-) -> torch.Tensor:
-    """Per group ``a_g^T @ grad_g``: ``a [M, K]`` and ``grad [M, N]`` with per-group scales
-    ``[G, K]`` and ``[G, N]`` over each group's tokens; returns ``[G, K, N]``."""
-    if use_cuda_kernels:
-        # Computed as (grad^T @ a)^T: grad^T is row-major and a column-major as the Triton
-        # quantizer writes them, and the transposed result has the weight's own layout, so
-        # autograd needs no copy to accumulate it.
-        if offs.numel() == 1:
-            out = torch._scaled_mm(
-                grad.t(),
-                column_major(a),
-                scale_a=grad_scale.reciprocal().view(-1, 1),
-                scale_b=a_scale.reciprocal().view(1, -1),
-                out_dtype=torch.bfloat16,
-                use_fast_accum=True,
-            ).unsqueeze(0)
-        else:
-            out = torch._scaled_grouped_mm(
-                grad.t(),
-                column_major(a),
-                grad_scale.reciprocal().reshape(-1),
-                a_scale.reciprocal().reshape(-1),
-                offs=offs,
-                out_dtype=torch.bfloat16,
-                use_fast_accum=True,
-            )
-        return out.transpose(-2, -1).to(out_dtype)
-    groups = token_groups(offs, a.shape[0])
-    # Each token's row is unscaled with its own group's scales; each group sums only its own
-    # tokens.
-    a_hp = a.float() * per_token(a_scale.reciprocal(), groups)
-    grad_hp = grad.float() * per_token(grad_scale.reciprocal(), groups)
-    return grouped_wgrad_mm_fp32(a_hp, grad_hp, offs).to(out_dtype)

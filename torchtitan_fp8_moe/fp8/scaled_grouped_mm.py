@@ -1,21 +1,19 @@
-"""Differentiable fp8 rowwise grouped matmul, and the three call forms built on it.
+"""Differentiable fp8 grouped matmul, and the three call forms built on it.
 
-All of forward, input gradient and weight gradient are fp8 GEMMs with rowwise scales along their
-contraction dimension:
+Forward, input gradient and weight gradient are fp8 GEMMs whose operands a recipe
+(``recipes/``) quantizes and multiplies:
 
-    out    [M, N] = a [M, K] @ b[g] [K, N]        scales: a per token, b per (g, n)
-    grad_a [M, K] = grad [M, N] @ b[g]^T [N, K]   scales: grad per token, b per (g, k)
-    grad_b[g] [K, N] = a_g^T @ grad_g             scales: per (g, k) and (g, n) over g's tokens
+    out    [M, N] = a [M, K] @ b[g] [K, N]
+    grad_a [M, K] = grad [M, N] @ b[g]^T [N, K]
+    grad_b[g] [K, N] = a_g^T @ grad_g
 
 A 3D x 3D batched matmul is the same thing with one group per batch entry, and a 2D matmul with a
 2D weight is one group; so every expert, routed or shared, grouped or linear, has the same numerics.
 """
 
-from functools import partial
-
 import torch
 
-from . import gemm, torch_quantize
+from .recipes import Recipe
 from .weight_cache import WeightPayloads, WeightQuantizer
 
 # Where the GEMM gets its weight's fp8 copies: it quantizes b itself (None), a quantizer hands
@@ -23,53 +21,44 @@ from .weight_cache import WeightPayloads, WeightQuantizer
 WeightSource = WeightQuantizer | WeightPayloads | None
 
 
-def quantizer_for(use_cuda_kernels: bool):
-    """The module holding the quantization steps of the fp8 GEMM on this path."""
-    if use_cuda_kernels:
-        from . import triton_quantize  # torchao's Triton kernels: CUDA only
-
-        return triton_quantize
-    return torch_quantize
-
-
 def quantize_weight(b, orientation: str, quantize, cached: WeightQuantizer | None):
     """``quantize(b)``, or b's fp8 copy of ``orientation`` from ``cached``."""
     return quantize(b) if cached is None else cached(b, orientation, quantize)
 
 
-class _Fp8RowwiseGroupedMM(torch.autograd.Function):
+class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, offs, use_cuda_kernels: bool, cached, *b_payloads):
+    def forward(ctx, a, b, offs, recipe: Recipe, emulate: bool, cached, *b_payloads):
         """``b_payloads``: the four tensors of ``WeightPayloads``, or none to quantize b (through
         ``cached`` if given); with them b carries only its shape and dtype."""
-        quantize = quantizer_for(use_cuda_kernels)
+        quantize = recipe.quantizers(emulate)
         a_fp8, a_scale = quantize.rows(a)
         if b_payloads:
             b_fp8, b_scale, b_t_fp8, b_t_scale = b_payloads
             ctx.save_for_backward(a, offs, b_t_fp8, b_t_scale)
         else:
-            # The forward cast also gives the amax over N, so the backward's cast of b^T can
-            # scale without reading b for it.
-            b_fp8, b_scale, b_amax_over_n = quantize_weight(b, "forward", quantize.weight, cached)
-            ctx.save_for_backward(a, offs, b, b_amax_over_n)
-        ctx.use_cuda_kernels, ctx.cached, ctx.b_dtype = use_cuda_kernels, cached, b.dtype
+            # The forward cast also gives what the backward's cast of b^T scales by (rowwise:
+            # the amax over N), so that cast need not read b for it.
+            b_fp8, b_scale, b_state = quantize_weight(b, "forward", quantize.weight, cached)
+            ctx.save_for_backward(a, offs, b, b_state)
+        ctx.recipe, ctx.emulate, ctx.cached, ctx.b_dtype = recipe, emulate, cached, b.dtype
         ctx.payload_count = len(b_payloads)
-        return gemm.grouped_mm(a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, use_cuda_kernels)
+        return recipe.grouped_mm(a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, emulate)
 
     @staticmethod
     def backward(ctx, grad_out):
         a, offs, *weight_saved = ctx.saved_tensors
-        cuda = ctx.use_cuda_kernels
-        quantize = quantizer_for(cuda)
+        recipe, emulate = ctx.recipe, ctx.emulate
+        quantize = recipe.quantizers(emulate)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_a = _input_grad(ctx, grad_out, a.dtype, offs, weight_saved, quantize)
         if ctx.needs_input_grad[1]:
             a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(a, grad_out, offs)
-            grad_b = gemm.grouped_wgrad_mm(
-                a_fp8, a_scales, grad_fp8, grad_scales, offs, ctx.b_dtype, cuda
+            grad_b = recipe.grouped_wgrad_mm(
+                a_fp8, a_scales, grad_fp8, grad_scales, offs, ctx.b_dtype, emulate
             )
-        return grad_a, grad_b, None, None, None, *([None] * ctx.payload_count)
+        return grad_a, grad_b, None, None, None, None, *([None] * ctx.payload_count)
 
 
 def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Tensor:
@@ -80,49 +69,46 @@ def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Ten
     if ctx.payload_count:
         b_t_fp8, b_t_scale = weight_saved
     else:
-        b, b_amax_over_n = weight_saved
-        transposed = partial(quantize.weight_transposed, amax_over_n=b_amax_over_n)
+        b, b_state = weight_saved
+
+        def transposed(b):
+            return quantize.weight_transposed(b, b_state)
+
         b_t_fp8, b_t_scale = quantize_weight(b, "input_grad", transposed, ctx.cached)
-    cuda = ctx.use_cuda_kernels
-    return gemm.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, dtype, cuda)
+    return ctx.recipe.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, dtype, ctx.emulate)
 
 
 def fp8_grouped_mm(
     a: torch.Tensor,
     b: torch.Tensor,
     offs: torch.Tensor,
-    use_cuda_kernels: bool,
+    recipe: Recipe,
+    emulate: bool,
     cached: WeightSource = None,
 ) -> torch.Tensor:
-    """``torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)`` in fp8 rowwise. ``cached``
+    """``torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)`` in fp8 by ``recipe``. ``cached``
     gives b's fp8 copies instead of quantizing b: from a cache while b is unchanged
     (``weight_cache.py``), or the payloads an fp8 all-gather brought (``gathered.py``)."""
     if isinstance(cached, WeightPayloads):
-        return _Fp8RowwiseGroupedMM.apply(a, b, offs, use_cuda_kernels, None, *cached)
-    return _Fp8RowwiseGroupedMM.apply(a, b, offs, use_cuda_kernels, cached)
+        return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, None, *cached)
+    return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, cached)
 
 
 def fp8_batched_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    use_cuda_kernels: bool,
-    cached: WeightSource = None,
+    a: torch.Tensor, b: torch.Tensor, recipe: Recipe, emulate: bool, cached: WeightSource = None
 ) -> torch.Tensor:
-    """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8 rowwise."""
+    """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8."""
     groups, tokens, _ = a.shape
     offs = torch.arange(1, groups + 1, device=a.device, dtype=torch.int32) * tokens
-    out = fp8_grouped_mm(a.reshape(groups * tokens, -1), b, offs, use_cuda_kernels, cached)
+    out = fp8_grouped_mm(a.reshape(groups * tokens, -1), b, offs, recipe, emulate, cached)
     return out.view(groups, tokens, -1)
 
 
 def fp8_matmul(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    use_cuda_kernels: bool,
-    cached: WeightSource = None,
+    a: torch.Tensor, b: torch.Tensor, recipe: Recipe, emulate: bool, cached: WeightSource = None
 ) -> torch.Tensor:
-    """``a [..., K] @ b [K, N]`` in fp8 rowwise (a linear layer's ``x @ W^T`` has b = W^T)."""
+    """``a [..., K] @ b [K, N]`` in fp8 (a linear layer's ``x @ W^T`` has b = W^T)."""
     a_2d = a.reshape(-1, a.shape[-1])
     offs = torch.full((1,), a_2d.shape[0], device=a.device, dtype=torch.int32)
-    out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, use_cuda_kernels, cached)
+    out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, recipe, emulate, cached)
     return out.view(*a.shape[:-1], b.shape[-1])

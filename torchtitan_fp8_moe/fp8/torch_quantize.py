@@ -1,4 +1,4 @@
-"""The quantization steps of the fp8 grouped GEMM in plain torch ops (any device)."""
+"""The rowwise recipe's quantizers in plain torch ops (any device; the emulated path)."""
 
 import torch
 

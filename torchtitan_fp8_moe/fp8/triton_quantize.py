@@ -1,13 +1,13 @@
-"""The quantization rules of ``quantize.py`` as fused Triton kernels (CUDA only).
+"""The rowwise recipe's quantizers on CUDA: the rules of ``quantize.py`` as fused Triton kernels.
 
 Same outputs as ``torch_quantize.py`` (fp8 data, fp32 power-of-2 multipliers), laid out the way
 the fp8 GEMMs want them: activations row-major, weights column-major per expert. Our kernels
 throughout (faster than torchao's, docs/benchmarks/): one-pass rowwise casts
-(``triton_rowwise.py``; for rows longer than 4096 the weight's forward cast also takes the amax
-of the other orientation),
-the single-read transposed weight cast (``triton_transposed.py``) and the per-group casts of the
-weight gradient without token-count autotuning (``triton_per_group.py``). Only rows longer than
-our rowwise kernel holds in registers use torchao's kernels.
+(``kernels/triton_rowwise.py``; for rows longer than 4096 the weight's forward cast also takes
+the amax of the other orientation), the single-read transposed weight cast
+(``kernels/triton_transposed.py``) and the per-group casts of the weight gradient without
+token-count autotuning (``kernels/triton_per_group.py``). Only rows longer than our rowwise
+kernel holds in registers use torchao's kernels.
 """
 
 import torch
@@ -17,10 +17,10 @@ from torchao.prototype.moe_training.kernels import (
 )
 
 from .gemm import column_major
+from .kernels.triton_per_group import per_group_colwise_fp8_pair
+from .kernels.triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
+from .kernels.triton_transposed import transposed_fp8
 from .quantize import FP8_DTYPE, amax_along
-from .triton_per_group import per_group_colwise_fp8_pair
-from .triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
-from .triton_transposed import transposed_fp8
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

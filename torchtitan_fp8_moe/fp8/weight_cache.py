@@ -8,8 +8,9 @@ weight all-gathered from the shards (whose values change only when a shard chang
 
 An entry is valid while all of these hold, so no change of the values can reach a stale copy:
 - no op that writes into the weight or one of its views ran since the entry was made. The weight
-  tensor (``weight.py``) sees every such op at dispatch and calls ``invalidate``; what counts as a
-  write comes from the op's schema (in-place, ``out=``, ``copy_``, the optimizer's foreach ops);
+  tensor (``weight/tensor.py``) sees every such op at dispatch and calls ``invalidate``; what
+  counts as a write comes from the op's schema (in-place, ``out=``, ``copy_``, the optimizer's
+  foreach ops);
 - no plain tensor behind the weight or one of its views (``watch``) has a new version. This
   catches writes that bypass the weight tensor: checkpoint loads (DCP copies into the plain
   tensors that the state dict hands out, which are these), writes into ``_data``. Each is watched

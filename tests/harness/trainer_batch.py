@@ -4,7 +4,7 @@ of its own (`torchtitan_fp8_moe.train`: the plugin, the CPU mode, torchtitan's C
 Trainer) without the process start-up, one process group for all of them; each rank writes each
 run's log to a file of its own.
 
-    python tests/fork_launch.py --nproc=N tests/trainer_batch.py SPEC.json
+    python tests/harness/fork_launch.py --nproc=N tests/harness/trainer_batch.py SPEC.json
 
 SPEC: ``{"runs": [{"name", "args", "log_dir", "env", "copy"}, ...]}``; ``args`` are the
 trainer's command-line arguments (config file included), ``env`` variables set for that run,

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .opaque import compile_opaque
-from .quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from ..opaque import compile_opaque
+from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
 # Rows up to this many elements fit one program's registers; longer rows are not supported here.

@@ -1,13 +1,13 @@
 """Starts the ranks of a test launch as forks of a process that has done the imports already.
 
-    python tests/fork_launch.py --nproc N [--preimport MODULE,...] SCRIPT [ARGS...]
+    python tests/harness/fork_launch.py --nproc N [--preimport MODULE,...] SCRIPT [ARGS...]
 
 Each rank is what ``torchrun --standalone --nproc_per_node=N SCRIPT ARGS`` would start: the same
 environment variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), its own
 process and its own gloo process group, with SCRIPT's ``main()`` run there. The difference is the
 start: importing torch and torchtitan costs about 12 CPU seconds a process (measured on the CI
 machine). Run as above, a launch pays it once instead of once per rank (an 8-rank launch of
-tests/dist_worker.py: 20 s instead of 55 s on 2 cores). The test session goes further:
+tests/harness/dist_worker.py: 20 s instead of 55 s on 2 cores). The test session goes further:
 ``ForkServer`` keeps one process that has imported everything the test launches need, and each
 launch is a fork of it, so the imports are paid once per session. Like torchrun, a rank that
 fails stops the others. The launches of users' commands (`scripts/run_train.sh`) keep torchrun:
@@ -236,6 +236,9 @@ class ForkServer:
 
 
 if __name__ == "__main__":
+    # The tests folder, whose modules launches preimport (--preimport, as the test session had
+    # them on its path); run as a script, only this folder is on the path.
+    sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
     if sys.argv[1] == "--serve":
         serve(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:

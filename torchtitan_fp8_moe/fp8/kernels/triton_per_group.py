@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .opaque import compile_opaque
-from .quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from ..opaque import compile_opaque
+from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
 # Tile: BLOCK_ROWS tokens x BLOCK_COLS columns; one program per (column block, group). Chosen by

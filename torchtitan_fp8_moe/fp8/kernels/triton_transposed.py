@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .opaque import compile_opaque
-from .quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from ..opaque import compile_opaque
+from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
 # Tile of BLOCK_K x BLOCK_N weight elements per program: read along the weight's contiguous dim,

@@ -1,0 +1,3 @@
+"""The multi-process test harness: ``fork_launch.py`` starts the ranks of a launch as forks of a
+process that has done the imports, ``dist_worker.py`` runs the suites of ``suites/`` in one
+launch, ``trainer_batch.py`` runs torchtitan's trainer for several runs in one launch."""

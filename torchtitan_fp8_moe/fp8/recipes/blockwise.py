@@ -1,0 +1,98 @@
+"""The blockwise recipe: activations in 1 x 128 tiles, weights in 128 x 128 blocks.
+
+    out    [M, N] = a [M, K] @ b[g] [K, N]        a: 1x128 tiles along K; b: 128x128 blocks
+    grad_a [M, K] = grad [M, N] @ b[g]^T [N, K]   grad: 1x128 along N; b: the same fp8 blocks
+    grad_b[g] [K, N] = a_g^T @ grad_g             both: 128x1 tiles of g's tokens
+
+An outlier spoils the scale of its 128-element tile or block, not of a whole row or expert
+column, so the recipe keeps more precision on data with outlier blocks (tests/test_blockwise.py).
+Quantizers: ``fp8/blockwise_quantize.py`` (plain torch ops, any device). GEMMs: the exact
+emulation of ``fp8/gemm.py``; on CUDA, the blockwise kernels of
+``fp8/kernels/blockwise_gemm.py`` (``_cuda_kernels``).
+"""
+
+from types import ModuleType
+
+from .. import blockwise_quantize
+from ..blockwise_quantize import (
+    BLOCK,
+    expand_blocks,
+    expand_tiles,
+    per_block_token_scales,
+    token_blocks,
+)
+from ..gemm import grouped_mm_fp32, grouped_wgrad_mm_fp32
+from ..quantize import dequantize
+from . import Recipe
+
+
+class BlockwiseRecipe(Recipe):
+    name = "blockwise"
+    description = "fp8 blockwise (1x128 activations, 128x128 weights)"
+
+    def quantizers(self, emulate: bool) -> ModuleType:
+        return blockwise_quantize
+
+    def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate):
+        """``a [M, K]`` (scales ``[M, ceil(K/128)]``) times ``b [G, K, N]`` (scales
+        ``[G, ceil(K/128), ceil(N/128)]``) per group."""
+        if not emulate:
+            return _cuda_kernels().blockwise_grouped_mm(
+                a, a_scale, b, b_scale, offs, out_dtype=out_dtype
+            )
+        a_hp = dequantize(a, expand_tiles(a_scale, a.shape[-1]))
+        b_hp = dequantize(b, expand_blocks(b_scale, *b.shape[-2:]))
+        return grouped_mm_fp32(a_hp, b_hp, offs).to(out_dtype)
+
+    def grouped_wgrad_mm(self, a, a_scale, grad, grad_scale, offs, out_dtype, emulate):
+        """Per group ``a_g^T @ grad_g`` of ``a [M, K]``, ``grad [M, N]`` with scales per
+        128-token block of each group (``blockwise_quantize.token_blocks``)."""
+        if not emulate:
+            # On CUDA every group starts at a multiple of 128 (token_group_alignment): the
+            # blocks are the global 128-row blocks, the first ceil(M / 128) slots.
+            blocks = -(-a.shape[0] // BLOCK)
+            return _cuda_kernels().blockwise_grouped_mm_wgrad(
+                a, a_scale[:blocks], grad, grad_scale[:blocks], offs, out_dtype=out_dtype
+            )
+        blocks, _ = token_blocks(offs, a.shape[0])
+        a_hp = a.float() * per_block_token_scales(a_scale.reciprocal(), blocks)
+        grad_hp = grad.float() * per_block_token_scales(grad_scale.reciprocal(), blocks)
+        return grouped_wgrad_mm_fp32(a_hp, grad_hp, offs).to(out_dtype)
+
+    def payload_scale_shapes(self, out_features: int, in_features: int):
+        out_blocks, in_blocks = -(-out_features // BLOCK), -(-in_features // BLOCK)
+        return (in_blocks, out_blocks), (out_blocks, in_blocks)
+
+    def check_local_shape(self, fqn, local_shape, tp_dim, emulate):
+        """Tensor parallelism must split a weight at block boundaries: each rank's blocks are
+        then the unsharded weight's (and its activation tiles the unsharded activations')."""
+        if tp_dim is not None and local_shape[tp_dim] % BLOCK:
+            raise ValueError(
+                f"float8_moe: {fqn} is split by tensor parallelism on dim {tp_dim} into local "
+                f"shards of shape {list(local_shape)}; recipe blockwise needs that dim to be a "
+                f"multiple of {BLOCK} on every rank (128x128 weight blocks, 1x128 activation "
+                f"tiles), here {local_shape[tp_dim]}. Lower parallelism.tensor_parallel_degree "
+                '(or expert_tensor_parallel_degree), or set float8_moe.recipe = "rowwise".'
+            )
+
+    def token_group_alignment(self, emulate: bool) -> int | None:
+        # The CUDA weight-gradient kernel takes 128-token blocks of the whole token dim: each
+        # group must start at a multiple of 128 so that no block straddles two groups. (The
+        # emulation aligns its blocks to each group's start itself.)
+        return None if emulate else BLOCK
+
+
+def _cuda_kernels() -> ModuleType:
+    """The blockwise GEMM kernels (CUDA), plugged in from ``fp8/kernels/blockwise_gemm.py``:
+    ``blockwise_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=)`` and
+    ``blockwise_grouped_mm_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype=)``, with the
+    operands and scales of ``fp8/blockwise_quantize.py``."""
+    try:
+        from ..kernels import blockwise_gemm
+    except ImportError as e:
+        raise NotImplementedError(
+            'float8_moe: recipe "blockwise" has no CUDA GEMM kernels in this build '
+            "(torchtitan_fp8_moe/fp8/kernels/blockwise_gemm.py); set `[float8_moe] emulate = "
+            'true` to run it emulated, or recipe = "rowwise"'
+        ) from e
+    return blockwise_gemm

@@ -1,0 +1,139 @@
+"""The rowwise recipe: one power-of-2 scale per row of each GEMM operand, along its contraction.
+
+    out    [M, N] = a [M, K] @ b[g] [K, N]        scales: a per token, b per (g, n)
+    grad_a [M, K] = grad [M, N] @ b[g]^T [N, K]   scales: grad per token, b per (g, k)
+    grad_b[g] [K, N] = a_g^T @ grad_g             scales: per (g, k) and (g, n) over g's tokens
+
+Quantizers: ``fp8/torch_quantize.py`` (emulated) and ``fp8/triton_quantize.py`` (CUDA). GEMMs:
+``torch._scaled_grouped_mm`` / ``torch._scaled_mm`` on CUDA, the exact emulation of
+``fp8/gemm.py`` elsewhere.
+"""
+
+from types import ModuleType
+
+import torch
+
+from .. import torch_quantize
+from ..gemm import column_major, grouped_mm_fp32, grouped_wgrad_mm_fp32, per_token, token_groups
+from ..quantize import dequantize
+from . import Recipe
+
+# fp8 GEMMs need both matrix dims of each rank's weight to be multiples of this (CUDA).
+FP8_MATRIX_ALIGNMENT = 16
+
+
+class RowwiseRecipe(Recipe):
+    name = "rowwise"
+    description = "fp8 rowwise"
+
+    def quantizers(self, emulate: bool) -> ModuleType:
+        if emulate:
+            return torch_quantize
+        from .. import triton_quantize  # Triton kernels: CUDA only
+
+        return triton_quantize
+
+    def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate):
+        return grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate)
+
+    def grouped_wgrad_mm(self, a, a_scale, grad, grad_scale, offs, out_dtype, emulate):
+        return grouped_wgrad_mm(a, a_scale, grad, grad_scale, offs, out_dtype, emulate)
+
+    def payload_scale_shapes(self, out_features: int, in_features: int):
+        return (1, out_features), (1, in_features)
+
+    def check_local_shape(self, fqn, local_shape, tp_dim, emulate):
+        if emulate:
+            return
+        k, n = local_shape[-1], local_shape[-2]
+        if k % FP8_MATRIX_ALIGNMENT or n % FP8_MATRIX_ALIGNMENT:
+            raise ValueError(
+                f"float8_moe: {fqn} has shape {list(local_shape)} per rank after tensor/expert "
+                "parallelism; fp8 kernels need both matrix dims to be multiples of "
+                f"{FP8_MATRIX_ALIGNMENT}. Leave it out of float8_moe.fqns or lower "
+                "parallelism.tensor_parallel_degree."
+            )
+
+    def token_group_alignment(self, emulate: bool) -> int | None:
+        # torch's fp8 grouped GEMM needs 16-row token groups (with torchtitan's default, a
+        # device-side assert poisons the process at the first backward).
+        return None if emulate else FP8_MATRIX_ALIGNMENT
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    emulate: bool,
+) -> torch.Tensor:
+    """``a [M, K]`` (scales ``[M, 1]``) times ``b [G, K, N]`` (scales ``[G, 1, N]``) per group."""
+    if emulate:
+        out = grouped_mm_fp32(dequantize(a, a_scale), dequantize(b, b_scale), offs)
+        return out.to(out_dtype)
+    if b.shape[0] == 1:
+        # One group is a plain GEMM; _scaled_mm is faster than the grouped kernel for it.
+        out = torch._scaled_mm(
+            a,
+            column_major(b[0]),
+            scale_a=a_scale.reciprocal(),
+            scale_b=b_scale[0].reciprocal(),
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        )
+    else:
+        out = torch._scaled_grouped_mm(
+            a,
+            column_major(b),
+            a_scale.reciprocal().squeeze(-1),
+            b_scale.reciprocal().squeeze(-2),
+            offs=offs,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        )
+    return out.to(out_dtype)
+
+
+def grouped_wgrad_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    emulate: bool,
+) -> torch.Tensor:
+    """Per group ``a_g^T @ grad_g``: ``a [M, K]`` and ``grad [M, N]`` with per-group scales
+    ``[G, K]`` and ``[G, N]`` over each group's tokens; returns ``[G, K, N]``."""
+    if emulate:
+        groups = token_groups(offs, a.shape[0])
+        # Each token's row is unscaled with its own group's scales; each group sums only its
+        # own tokens.
+        a_hp = a.float() * per_token(a_scale.reciprocal(), groups)
+        grad_hp = grad.float() * per_token(grad_scale.reciprocal(), groups)
+        return grouped_wgrad_mm_fp32(a_hp, grad_hp, offs).to(out_dtype)
+    # Computed as (grad^T @ a)^T: grad^T is row-major and a column-major as the Triton
+    # quantizer writes them, and the transposed result has the weight's own layout, so
+    # autograd needs no copy to accumulate it.
+    if offs.numel() == 1:
+        out = torch._scaled_mm(
+            grad.t(),
+            column_major(a),
+            scale_a=grad_scale.reciprocal().view(-1, 1),
+            scale_b=a_scale.reciprocal().view(1, -1),
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        ).unsqueeze(0)
+    else:
+        out = torch._scaled_grouped_mm(
+            grad.t(),
+            column_major(a),
+            grad_scale.reciprocal().reshape(-1),
+            a_scale.reciprocal().reshape(-1),
+            offs=offs,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        )
+    return out.transpose(-2, -1).to(out_dtype)

@@ -1,0 +1,54 @@
+"""What the converted weight tensors share: every matmul they are the right operand of runs in
+fp8 through the overrides of ``matmuls.py``, by the recipe and path of their ``WeightConfig``."""
+
+import torch
+
+from ..fp8.recipes import Recipe
+from ..fp8.scaled_grouped_mm import WeightSource
+from .config import WeightConfig
+from .matmuls import MATMUL_HANDLERS
+
+
+def fp8_kernels_available(device: torch.device) -> bool:
+    """Whether ``device`` has fp8 tensor cores (CUDA sm89 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Weight(torch.Tensor):
+    config: WeightConfig
+
+    @property
+    def emulate(self) -> bool:
+        return self.config.emulate
+
+    def fp8_operand(self) -> tuple[torch.Tensor, WeightSource]:
+        """(the matmul's right operand ``b``, where its fp8 copies come from: a weight
+        quantizer, the payloads, or None to quantize ``b``)."""
+        raise NotImplementedError
+
+    def fp8_path(self) -> tuple[Recipe, bool]:
+        """(the recipe, whether to emulate): raises where fp8 kernels are asked for but absent."""
+        config = self.config
+        if not config.emulate and not fp8_kernels_available(self.device):
+            raise RuntimeError(
+                f"float8_moe: a weight of shape {list(self.shape)} on {self.device} has no fp8 "
+                "kernels (they need CUDA sm89+). Set `[float8_moe] emulate = true` to run the "
+                "emulated fp8 path, or leave it out of `float8_moe.fqns`."
+            )
+        return config.fp8_recipe, config.emulate
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = MATMUL_HANDLERS.get(getattr(func, "__name__", None))
+        if handler is not None and any(isinstance(a, Fp8Weight) for a in args[:2]):
+            a, weight = args[0], args[1]
+            if isinstance(a, Fp8Weight) or not isinstance(weight, Fp8Weight):
+                raise NotImplementedError(
+                    f"float8_moe: {func.__name__} with a Float8MoEWeight as its left operand "
+                    f"(shape {list(a.shape)}) is not supported; the weight must be the right "
+                    "operand"
+                )
+            return handler(a, weight, *args[2:], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)

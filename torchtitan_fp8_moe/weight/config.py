@@ -1,0 +1,24 @@
+"""The settings a converted weight carries: one frozen object, the tensor subclasses' flatten
+metadata (so compiled graphs guard on it), handed on to every weight derived from it."""
+
+from dataclasses import dataclass
+
+from ..fp8.recipes import Recipe, recipe_named
+
+
+@dataclass(frozen=True)
+class WeightConfig:
+    recipe: str = "rowwise"  # ``[float8_moe] recipe``: how the fp8 GEMMs scale (fp8/recipes/)
+    # Emulated fp8 GEMMs (quantize, dequantize, fp32 matmul) instead of fp8 kernels.
+    emulate: bool = False
+    # Keep the weight's fp8 copies while it is unchanged (fp8/weight_cache.py).
+    cache_fp8: bool = False
+    # Under FSDP2: all-gather fp8 payloads quantized on the shard where it can (config.py).
+    fp8_all_gather: bool = False
+
+    def __post_init__(self):
+        recipe_named(self.recipe)  # an unknown recipe fails here, naming the option
+
+    @property
+    def fp8_recipe(self) -> Recipe:
+        return recipe_named(self.recipe)

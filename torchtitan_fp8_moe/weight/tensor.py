@@ -1,0 +1,278 @@
+"""``Float8MoEWeight``: the expert weight tensor, high-precision storage whose matmuls run in fp8.
+
+Every matmul it is the right operand of runs in fp8 by its recipe (``matmuls.py``); no op ever
+hands its values to a high-precision matmul. What an op does to the wrapper is decided from the
+op's schema and tags (``ops.py``), so a new op falls on the safe side:
+- views and aliases (``func.is_view``, or a return that aliases an input: ``squeeze``, ``unbind``,
+  ``expand``, ``t``, FSDP's chunks) stay wrapped and share the weight's fp8 cache;
+- copies (``_to_copy``, ``clone``, ``*_copy`` ops) stay wrapped, with a cache of their own;
+- pointwise ops (``w * 2``, an optimizer's ``grad + wd * w``), collectives and zero padding
+  (DTensor's ``full_tensor()``) give a new wrapped weight, so what is computed from the weight is
+  still multiplied in fp8 only;
+- ops that write into an argument (in-place, ``out=``, ``copy_``, foreach) run on the plain data;
+  a written weight drops its cached fp8 copies;
+- results that cannot be a matmul operand (bool or integer tensors, 0-dim statistics such as
+  ``w.norm()``, Python scalars) come out plain;
+- everything else with a floating-point result (matmuls below ``__torch_function__``,
+  convolutions, non-scalar reductions, ``cat``, ``index_select``, collectives) raises.
+``high_precision()`` is the explicit, differentiable way to compute with the plain values.
+
+With ``fp8_all_gather`` FSDP2's hooks gather fp8 payloads quantized on the shard instead of the
+values (``fp8/gathered.py``), and the unsharded weight is a ``Float8GatheredWeight``
+(``gathered.py``).
+"""
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._prims_common import suggest_memory_format
+from torch.distributed.tensor import DTensor
+
+from ..fp8 import gathered
+from ..fp8.weight_cache import CachedWeightQuantizer, WeightQuantCache
+from ..sharding import padded_shard_shape, sharded_dim
+from .base import Fp8Weight
+from .config import WeightConfig
+from .gathered import Float8GatheredWeight, check_views, contiguous_strides
+from .ops import Kind, could_feed_a_matmul, dispatch_kind, wrap_floats, written_arguments
+
+
+class _Unwrap(torch.autograd.Function):
+    """The wrapped high-precision tensor, with gradients flowing back to the wrapper."""
+
+    @staticmethod
+    def forward(ctx, weight: "Float8MoEWeight") -> torch.Tensor:
+        return weight._data
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class Float8MoEWeight(Fp8Weight):
+    _data: torch.Tensor
+    # With config.cache_fp8: the fp8 copies shared by this weight and every view of it
+    # (fp8/weight_cache.py says when they are valid).
+    _cache: WeightQuantCache | None
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, config: WeightConfig):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            memory_format=suggest_memory_format(data),
+            dtype=data.dtype,
+            layout=data.layout,
+            device=data.device,
+            requires_grad=data.requires_grad,
+        )
+
+    def __init__(self, data: torch.Tensor, config: WeightConfig):
+        self._data = data
+        self.config = config
+        self._cache = None
+        if config.cache_fp8:
+            self._cache = WeightQuantCache()
+            self._cache.watch(data)
+
+    @property
+    def cache_fp8(self) -> bool:
+        return self.config.cache_fp8
+
+    @property
+    def fp8_all_gather(self) -> bool:
+        return self.config.fp8_all_gather
+
+    def _derived(
+        self, data: torch.Tensor, cache: WeightQuantCache | None, watch: bool = True
+    ) -> "Float8MoEWeight":
+        """A weight computed from this one: same config, the given fp8 cache, which treats a
+        write into ``data`` as a change of the values if ``watch``."""
+        derived = Float8MoEWeight(data, replace(self.config, cache_fp8=False))
+        derived.config, derived._cache = self.config, cache
+        if cache is not None and watch:
+            cache.watch(data)
+        return derived
+
+    def _view(self, data: torch.Tensor) -> "Float8MoEWeight":
+        """A view of this weight (same values): it shares the fp8 cache."""
+        return self._derived(data, self._cache)
+
+    def _copy(self, data: torch.Tensor) -> "Float8MoEWeight":
+        """A cast or clone of this weight: its cache is shared with other copies of the same
+        kind made while this weight is unchanged."""
+        if self._cache is None:
+            return self._derived(data, None)
+        kind = (
+            data.dtype,
+            data.device,
+            data.shape,
+            data.stride(),
+            self.shape,
+            self.stride(),
+            self.storage_offset(),
+        )
+        return self._derived(data, self._cache.cache_of_copy(kind))
+
+    def high_precision(self) -> torch.Tensor:
+        """The plain high-precision values, differentiable: for math that is meant to run in
+        high precision (a regularizer, a statistic). Nothing computed from it is fp8."""
+        return _Unwrap.apply(self)
+
+    def __repr__(self) -> str:
+        return f"Float8MoEWeight({self.config}, data={self._data!r})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], self.config
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, config, outer_size, outer_stride):
+        return cls(inner_tensors["_data"], config)
+
+    # ---- matmuls -----------------------------------------------------------------------------
+
+    def _cached_quantizer(self) -> CachedWeightQuantizer | None:
+        # Compiled graphs quantize inline: a Python-side cache would be baked into the trace.
+        if self._cache is None or torch.compiler.is_compiling():
+            return None
+        return CachedWeightQuantizer(self._cache)
+
+    def fp8_operand(self) -> tuple[torch.Tensor, CachedWeightQuantizer | None]:
+        return _Unwrap.apply(self), self._cached_quantizer()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = dispatch_kind(func)
+        weights = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls)]
+        shapes = [list(w.shape) for w in weights]
+        if kind is Kind.MATMUL:
+            raise NotImplementedError(
+                f"float8_moe: {func} on a converted weight of shape {shapes[0]} reached a "
+                "matmul below the fp8 overrides and would run in high precision; this call form "
+                "is not supported. Supported: torch._grouped_mm, F.linear, matmul/mm/bmm/@ with "
+                "the weight as the right operand. Leave this module out of `float8_moe.fqns`."
+            )
+        if kind is Kind.METADATA_MUTATION:
+            raise NotImplementedError(
+                f"float8_moe: {func} changes the shape or strides of a converted weight "
+                f"{shapes[0]} in place, which it cannot follow; use the out-of-place op"
+            )
+        plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        if kind is Kind.MUTATION:
+            # The written weights' fp8 copies are stale; hand back the wrappers themselves
+            # wherever the op returns a written argument (in-place and out= ops return it).
+            written = written_arguments(func, args, kwargs)
+            for weight in written:
+                if isinstance(weight, cls) and weight._cache is not None:
+                    weight._cache.invalidate()
+            originals = {id(w._data): w for w in written if isinstance(w, cls)}
+            return pytree.tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), out)
+        source = weights[0]
+        if kind is Kind.VIEW:
+            return wrap_floats(out, source._view)
+        if kind is Kind.COPY:
+            return wrap_floats(out, source._copy)
+        if kind is Kind.NEW_WEIGHT:
+            return wrap_floats(out, lambda t: cls(t, source.config))
+        if kind is Kind.DERIVED:
+            # 0-dim results are statistics (a foreach norm), not matmul operands. A value
+            # computed from the weight is no weight: no cache, gathered as its values.
+            config = replace(source.config, cache_fp8=False, fp8_all_gather=False)
+            return wrap_floats(out, lambda t: cls(t, config), min_dim=1)
+        if kind is not Kind.UNRELATED_VALUES and any(
+            could_feed_a_matmul(t) for t in pytree.tree_leaves(out)
+        ):
+            raise NotImplementedError(
+                f"float8_moe: {func} on converted weights {shapes} would give a plain "
+                "floating-point tensor that could later multiply in high precision, and "
+                "float8_moe does not know this op. Use `weight.high_precision()` (differentiable) "
+                "where high precision is meant, or leave the module out of `float8_moe.fqns`."
+            )
+        return out
+
+    # ---- FSDP2 all-gather extension ----------------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        data = self._data
+        if mp_policy.param_dtype is not None:
+            data = data.to(mp_policy.param_dtype)
+        padded_shape = padded_shard_shape(outer_size, data.shape, mesh.size())
+        if data.shape != padded_shape:
+            padded = data.new_zeros(padded_shape)
+            padded[: data.shape[0]].copy_(data)
+            data = padded
+        if self._gathers_fp8(outer_size, mesh.size()):
+            # The padding rows quantize too: zeros with finite scales, narrowed off afterwards.
+            recipe, emulate = self.fp8_path()
+            payloads = gathered.quantize_shard(data, recipe, emulate, self._cached_quantizer())
+            return gathered.all_gather_inputs(
+                payloads, tuple(outer_size), data.dtype, mesh.size(), recipe
+            )
+        return (data,), tuple(outer_size)
+
+    def _gathers_fp8(self, outer_size: torch.Size, world_size: int) -> bool:
+        """Whether this shard all-gathers fp8 payloads (the rule the converter's plan logs)."""
+        shard_dim = sharded_dim(outer_size, self.shape)
+        recipe = self.config.fp8_recipe
+        fallback = recipe.all_gather_fallback(tuple(outer_size), shard_dim, world_size)
+        return self.config.fp8_all_gather and fallback is None
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ):
+        if isinstance(metadata, gathered.GatherLayout):
+            return self._post_fp8_all_gather(all_gather_outputs, metadata, out)
+        (all_gathered,) = all_gather_outputs
+        logical_shape = metadata
+        # Dim-0 sharding gathers world * rows_per_rank rows: narrow off the padding. Other shard
+        # dims arrive in the logical layout, where the narrow is a no-op.
+        data = all_gathered.view(-1, *logical_shape[1:]).narrow(0, 0, logical_shape[0])
+        if out is not None:
+            # Later steps: FSDP refills the same storage the unsharded weight already views.
+            # (Under tensor parallelism the unsharded weight is a DTensor around the wrapper.)
+            unsharded = out.to_local() if isinstance(out, DTensor) else out
+            check_views(unsharded._data, all_gathered, logical_shape)
+            # The shard may be a new tensor since the last gather (a checkpoint load with
+            # assign=True, to_empty): follow its cache.
+            unsharded._cache = self._cache
+            return
+        # FSDP2 calls both hooks on the local shard (self). The unsharded weight holds the
+        # shards' values, so it shares the shard's fp8 cache: a write into the shard (optimizer
+        # step, checkpoint load) invalidates it, the all-gather's refills of the buffer do not.
+        return self._derived(data, self._cache, watch=False), (all_gathered,)
+
+    def _post_fp8_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        layout: gathered.GatherLayout,
+        out: torch.Tensor | None,
+    ):
+        if out is not None:
+            # Later gathers refill the buffers that the unsharded weight's payloads view.
+            unsharded = out.to_local() if isinstance(out, DTensor) else out
+            forward_data, input_grad_data, scales = all_gather_outputs
+            check_views(unsharded.forward_data, forward_data, layout.logical_shape)
+            check_views(unsharded.input_grad_data, input_grad_data, layout.logical_shape)
+            check_views(unsharded.forward_scales, scales, layout.logical_shape)
+            return
+        payloads = gathered.unpack(all_gather_outputs, layout)
+        unsharded = Float8GatheredWeight(
+            payloads,
+            layout.logical_shape,
+            contiguous_strides(layout.logical_shape),
+            layout.dtype,
+            self.config,
+            transposed=False,
+        )
+        return unsharded, all_gather_outputs
