@@ -17,6 +17,9 @@ from ..run_checks import (
     disable_compile_caches_for_tensor_parallelism,
 )
 
+# torchtitan 0.3's parallelization backend float8_moe is tested with: DTensor parameters over the
+# TP/EP meshes and FSDP2, as in 0.2.2. (0.3's default, "spmd_types", fails on CPU in bf16 too.)
+TESTED_SPMD_BACKEND = "partial_dtensor"
 # The device to plan for. None (the trainer): this machine's; "cuda" / "cpu": preflight's target.
 plan_target: str | None = None
 # The world size to plan for where no process group runs (preflight); None: the process group's.
@@ -52,6 +55,13 @@ class Run:
         """Read the trainer config (a ``Trainer.Config``) and check it, as 0.2.2's converter
         does at construction."""
         training, parallelism = trainer_config.training, trainer_config.parallelism
+        if parallelism.spmd_backend != TESTED_SPMD_BACKEND:
+            raise ValueError(
+                f"float8_moe: parallelism.spmd_backend = {parallelism.spmd_backend!r} is not "
+                f"tested with converted expert weights; set it to {TESTED_SPMD_BACKEND!r} "
+                f"(--parallelism.spmd_backend {TESTED_SPMD_BACKEND}, or in the config entry; "
+                "torchtitan_fp8_moe/torchtitan_v03/config_registry.py's entries do)"
+            )
         world_size = plan_world_size or (dist.get_world_size() if dist.is_initialized() else 1)
         dims = ParallelDims.from_config(parallelism, world_size)
         # What each rank's experts multiply per forward: a pipeline runs micro-batches of
