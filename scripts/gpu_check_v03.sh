@@ -11,6 +11,9 @@
 # torchtitan==0.3.0 torchao==0.18.0 torchdata==0.11.0 tyro==1.0.17 docstring_parser==0.18.0
 # typeguard==4.6.1 shtab==1.13.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
 # spmd_types==0.2.3 torch_checkpointing==0.1.1
+# Seen on a CPU machine with torch 2.11.0 (2026-12-03): torchtitan 0.3.0 does not import
+# ("cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'", from
+# torchtitan/distributed/full_dtensor.py); this script says whether the GPU machine agrees.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -24,16 +24,10 @@ _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 _DEBUG_BATCH, _DEBUG_SEQ_LEN = 4, 256
 
 
-def _always() -> list:
-    return [Float8MoEConverter.Config(policy="always")]
-
-
-def _model_compile(config: Trainer.Config) -> bool:
-    return config.compile.enable and "model" in config.compile.components
-
-
-def _auto(config: Trainer.Config) -> list:
-    return [Float8MoEConverter.Config(model_compile_enabled=_model_compile(config))]
+def _float8_moe(config: Trainer.Config, policy: str) -> list:
+    """The model converters of ``config``'s model: float8_moe."""
+    compiled = config.compile.enable and "model" in config.compile.components
+    return [Float8MoEConverter.Config(policy=policy, model_compile_enabled=compiled)]
 
 
 def _on_bundled_assets(config: Trainer.Config) -> Trainer.Config:
@@ -62,7 +56,9 @@ def deepseek_v3_debugmodel() -> Trainer.Config:
 
 def deepseek_v3_debugmodel_float8_moe() -> Trainer.Config:
     config = deepseek_v3_debugmodel()
-    config.model_spec = deepseek_v3.model_registry("debugmodel", converters=_always())
+    config.model_spec = deepseek_v3.model_registry(
+        "debugmodel", converters=_float8_moe(config, "always")
+    )
     return config
 
 
@@ -72,7 +68,9 @@ def qwen3_moe_debug() -> Trainer.Config:
 
 def qwen3_moe_debug_float8_moe() -> Trainer.Config:
     config = qwen3_moe_debug()
-    config.model_spec = qwen3.model_registry("debugmodel_moe", converters=_always())
+    config.model_spec = qwen3.model_registry(
+        "debugmodel_moe", converters=_float8_moe(config, "always")
+    )
     return config
 
 
@@ -84,7 +82,7 @@ def gpt_oss_debugmodel() -> Trainer.Config:
 def gpt_oss_debugmodel_float8_moe() -> Trainer.Config:
     config = gpt_oss_debugmodel()
     config.model_spec = gpt_oss.model_registry(
-        "debugmodel", attn_backend="flex", converters=_always()
+        "debugmodel", attn_backend="flex", converters=_float8_moe(config, "always")
     )
     return config
 
@@ -94,7 +92,7 @@ def deepseek_v3_16b_float8_moe() -> Trainer.Config:
     config = deepseek_v3_entries.deepseek_v3_16b()
     config.parallelism.spmd_backend = "partial_dtensor"
     config.model_spec = deepseek_v3.model_registry(
-        "16B", attn_backend="flex", converters=_auto(config)
+        "16B", attn_backend="flex", converters=_float8_moe(config, "auto")
     )
     return config
 
@@ -103,7 +101,7 @@ def deepseek_v3_671b_float8_moe() -> Trainer.Config:
     config = deepseek_v3_entries.deepseek_v3_671b()
     config.parallelism.spmd_backend = "partial_dtensor"
     config.model_spec = deepseek_v3.model_registry(
-        "671B", attn_backend="flex", converters=_auto(config)
+        "671B", attn_backend="flex", converters=_float8_moe(config, "auto")
     )
     return config
 
@@ -111,5 +109,5 @@ def deepseek_v3_671b_float8_moe() -> Trainer.Config:
 def qwen3_30b_a3b_float8_moe() -> Trainer.Config:
     config = qwen3_entries.qwen3_30b_a3b()
     config.parallelism.spmd_backend = "partial_dtensor"
-    config.model_spec = qwen3.model_registry("30B-A3B", converters=_auto(config))
+    config.model_spec = qwen3.model_registry("30B-A3B", converters=_float8_moe(config, "auto"))
     return config

@@ -65,7 +65,7 @@ class Float8MoEConverter(QuantizationConverter):
         self.config = config
 
     def convert(self, model_config):
-        if isinstance(model_config, _Float8MoEConfig):
+        if isinstance(model_config, ConvertedModelConfig):
             raise ValueError(
                 "float8_moe: Float8MoEConverter.Config is in the model's converters twice"
             )
@@ -79,8 +79,8 @@ class Float8MoEConverter(QuantizationConverter):
         return model_cls.Config(**values, float8_moe=self.config, float8_moe_run=Run())
 
 
-class _Float8MoEConfig:
-    """Marks the config of a converted model class."""
+class ConvertedModelConfig:
+    """Marks the config of a model class made by ``float8_moe_model_class``."""
 
 
 _model_classes: dict[type, type] = {}
@@ -94,7 +94,7 @@ def float8_moe_model_class(model_cls: type) -> type:
 
     class Float8MoEModel(model_cls):
         @dataclass(kw_only=True, slots=True)
-        class Config(parent_config, _Float8MoEConfig):
+        class Config(parent_config, ConvertedModelConfig):
             float8_moe: Float8MoEConverter.Config
             float8_moe_run: Run
 

@@ -19,7 +19,7 @@ from torchtitan.distributed import ParallelDims
 
 from ..sharding import format_plan
 from . import run
-from .converter import _Float8MoEConfig
+from .converter import ConvertedModelConfig
 
 EXIT_OK = 0
 EXIT_FAILED = 2
@@ -49,7 +49,7 @@ def plan(module: str, config_name: str, ngpu: int, target: str, overrides: list[
     config = ConfigManager().parse_args(["--module", module, "--config", config_name, *overrides])
     ParallelDims.from_config(config.parallelism, ngpu)  # the launch's own dims check
     model_config = config.model_spec.model
-    if not isinstance(model_config, _Float8MoEConfig):
+    if not isinstance(model_config, ConvertedModelConfig):
         raise ValueError(
             f"{module}.{config_name}: its model's converters hold no Float8MoEConverter.Config; "
             "add one (torchtitan_fp8_moe/torchtitan_v03/config_registry.py shows how)"

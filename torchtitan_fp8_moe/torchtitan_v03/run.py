@@ -77,7 +77,8 @@ class Run:
         check_fp8_all_gather_dtype(settings.fp8_all_gather, self.all_gather_dtype, param_dtype)
         check_data_parallelism(dims)
         self.plan_dims = ExpertPlanDims(dims)
-        if self.fp8_path(settings)[0] and not _on_cuda():
+        self.fp8_path(settings)  # a GPU without fp8 fails here, before anything is built
+        if not _on_cuda():
             check_cpu_context_parallelism(dims)
         if compile_config.enable:
             # Inductor otherwise fuses the bf16 -> fp32 -> fp8 casts of the quantization into
@@ -90,6 +91,14 @@ class Run:
 
     def fp8_path(self, settings) -> tuple[bool, str, str]:
         return choose_fp8_path(settings.emulate, plan_target)
+
+    def to_dict(self) -> dict:
+        """What the trainer's config dump shows of it."""
+        return {
+            "tokens": self.tokens,
+            "compiled": self.compiled,
+            "all_gather_dtype": str(self.all_gather_dtype),
+        }
 
 
 def _on_cuda() -> bool:
