@@ -199,3 +199,20 @@ def test_untested_spmd_backend_is_refused():
     config = _trainer_config(spmd_backend="spmd_types")
     with pytest.raises(ValueError, match="spmd_backend = 'spmd_types'"):
         config.model_spec.model.update_from_config(config=config)
+
+
+def test_experts_quantized_by_torchtitans_converter_are_refused():
+    """torchao's fp8 grouped experts (what torchtitan's Float8GroupedExpertsConverter puts in
+    the config; the converter itself needs an sm89 GPU) are not converted again."""
+    from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
+
+    config = qwen3.model_registry("debugmodel_moe").model
+    routed = config.layers[0].moe.routed_experts
+    torchao_cls = _get_float8_grouped_experts_cls(type(routed.inner_experts)._owner)
+    values = {
+        f.name: getattr(routed.inner_experts, f.name)
+        for f in dataclasses.fields(routed.inner_experts)
+    }
+    routed.inner_experts = torchao_cls.Config(**values)
+    with pytest.raises(ValueError, match="Float8GroupedExpertsConverter"):
+        Float8MoEConverter.Config(policy="always").build().convert(config)

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn as nn
 from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.components.quantization.float8 import _float8_experts_cache
+from torchtitan.components.quantization.mx import _mxfp8_experts_cache
 from torchtitan.components.quantization.utils import swap_token_dispatcher
-from torchtitan.models.common.moe import MoE
+from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.tools.logging import logger
 
 from ..config import SUPPORTED_RECIPES
@@ -69,6 +71,7 @@ class Float8MoEConverter(QuantizationConverter):
             raise ValueError(
                 "float8_moe: Float8MoEConverter.Config is in the model's converters twice"
             )
+        _check_experts_not_quantized(model_config)
         if not self.config.emulate and torch.cuda.is_available():
             # torch's fp8 grouped GEMM needs token groups of 16 rows: 0.3's token dispatcher
             # pads them when asked (as for torchao's converter).
@@ -77,6 +80,21 @@ class Float8MoEConverter(QuantizationConverter):
         model_cls = float8_moe_model_class(type(model_config)._owner)
         values = {f.name: getattr(model_config, f.name) for f in fields(model_config) if f.init}
         return model_cls.Config(**values, float8_moe=self.config, float8_moe_run=Run())
+
+
+def _check_experts_not_quantized(model_config) -> None:
+    """torchtitan's own grouped-experts converters (torchao's fp8 or MXFP8) swap the experts'
+    configs for subclasses of their own; converting those again would quantize twice."""
+    quantized = tuple(
+        cls.Config for cls in (*_float8_experts_cache.values(), *_mxfp8_experts_cache.values())
+    )
+    for fqn, experts, _parent, _attr in model_config.traverse(GroupedExperts.Config):
+        if isinstance(experts, quantized):
+            raise ValueError(
+                f"float8_moe: {fqn} is a {type(experts).__qualname__}, converted by torchtitan's "
+                "Float8GroupedExpertsConverter or MXFP8GroupedExpertsConverter before "
+                "Float8MoEConverter; keep one of them in the model's converters"
+            )
 
 
 class ConvertedModelConfig:
