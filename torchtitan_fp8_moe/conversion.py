@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
 from .policy import POLICIES, fp8_gain_ms
 from .sharding import ShardPlanRow, plan_expert_weight, plan_weight, with_all_gather
@@ -54,6 +53,7 @@ def convert(
     policy: str = "auto",
     tokens: int | None = None,
     compiled: bool = False,
+    align_token_groups: bool = True,
 ) -> list[ShardPlanRow]:
     """Convert ``model``'s expert modules in place and return the shard plan of their weights.
 
@@ -68,7 +68,9 @@ def convert(
     ``policy``: "always" converts every selected weight; "auto" keeps in bf16 the weights whose
     fp8 GEMMs are estimated slower than bf16's at ``tokens`` tokens per rank and micro-batch,
     eager or ``compiled`` (``policy.py``; the plan row says why). The emulated path has no speed
-    to gain or lose and converts every weight under either policy.
+    to gain or lose and converts every weight under either policy. ``align_token_groups``: on
+    CUDA, set torchtitan 0.2.2's token-group alignment for fp8 GEMMs (torchtitan 0.3 pads the
+    groups in its token dispatcher instead: ``torchtitan_v03/converter.py`` sets it up).
     """
     if policy not in POLICIES:
         raise ValueError(f"float8_moe: policy {policy!r} is not one of {list(POLICIES)}")
@@ -108,9 +110,11 @@ def convert(
         if chosen:
             swap_expert_weights(module, config, chosen)
     alignment = fp8_recipe.token_group_alignment(emulate)
-    if alignment and torch.cuda.is_available() and any(row.fp8 for row in plan):
+    if align_token_groups and alignment and torch.cuda.is_available() and any(r.fp8 for r in plan):
         # torchtitan's MoE pads each expert's token group to this many rows, as the recipe's
         # CUDA kernels need.
+        from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+
         set_token_group_alignment_size_m(alignment)
     return plan
 
@@ -133,9 +137,17 @@ def _plan_row(
 
 
 def _top_k(modules: dict[str, nn.Module], experts_fqn: str) -> int:
-    """Experts per token: the router's ``top_k`` beside the experts (torchtitan's MoE), else 1."""
-    parent = modules[experts_fqn.rpartition(".")[0]] if experts_fqn else None
-    return getattr(getattr(parent, "router", None), "top_k", 1)
+    """Experts per token: the router's ``top_k`` beside the experts (torchtitan's MoE) or beside
+    their parent (0.3's ``moe.routed_experts.inner_experts``), else 1."""
+    fqn = experts_fqn
+    for _ in range(2):
+        if not fqn:
+            break
+        fqn = fqn.rpartition(".")[0]
+        router = getattr(modules[fqn], "router", None)
+        if router is not None:
+            return getattr(router, "top_k", 1)
+    return 1
 
 
 def _decide(row: ShardPlanRow, rows: int, compiled: bool) -> ShardPlanRow:

@@ -13,9 +13,16 @@ from .config import Float8MoE
 from .conversion import convert, select_expert_modules
 from .fp8.recipes import recipe_named
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
-from .sharding import ShardPlanRow, format_plan
+from .run_checks import (
+    check_cpu_context_parallelism,
+    check_data_parallelism,
+    check_fp8_all_gather_dtype,
+    choose_fp8_path,
+    conversion_message,
+    disable_compile_caches_for_tensor_parallelism,
+)
+from .sharding import ShardPlanRow
 from .swap import is_grouped_experts
-from .weight import fp8_kernels_available
 
 # torchtitan's converters for dense linears, and where their exclusion lists live.
 _LINEAR_CONVERTERS = {
@@ -63,17 +70,6 @@ def _check_cpu_composition(job_config: JobConfig, parallel_dims: ParallelDims) -
         )
 
 
-def check_cpu_context_parallelism(parallel_dims: ParallelDims) -> None:
-    """torch's context parallelism handles the CUDA attention kernels only (bf16 too)."""
-    if parallel_dims.cp > 1:
-        raise ValueError(
-            f"parallelism.context_parallel_degree = {parallel_dims.cp} fails on CPU at step 1, "
-            "in bf16 too: torch's context parallelism has no rule for the CPU attention kernel "
-            '("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have '
-            'a sharding strategy registered"). Set it to 1 on CPU'
-        )
-
-
 def _check_blockwise_compile_backend(backend: str) -> None:
     """The emulated blockwise GEMMs trace whole (dynamo and AOTAutograd give eager's results
     bit for bit), but inductor on CPU (torch 2.13) miscompiles their forward and backward
@@ -86,37 +82,6 @@ def _check_blockwise_compile_backend(backend: str) -> None:
             "when both gradients are taken (outputs far from eager's). Set compile.backend = "
             '"aot_eager", leave "model" out of compile.components, or use recipe = "rowwise".'
         )
-
-
-def _check_data_parallelism(parallel_dims: ParallelDims) -> None:
-    """Replicas without FSDP are torch's DDP, which broadcasts the weights at its first forward
-    with ``aten.cat``, an op a converted weight refuses rather than leave fp8."""
-    dims = parallel_dims
-    if dims.dp_replicate_enabled and not dims.fsdp_enabled and not dims.ep_enabled:
-        raise ValueError(
-            f"float8_moe: parallelism.data_parallel_replicate_degree = {dims.dp_replicate} "
-            "without FSDP (data_parallel_shard_degree 1) is DDP, which fails at step 1 with "
-            'converted weights: it broadcasts them with aten.cat ("float8_moe: aten.cat.default '
-            'on converted weights ... does not know this op"). Shard with FSDP instead: '
-            "data_parallel_shard_degree > 1 (HSDP with data_parallel_replicate_degree)."
-        )
-
-
-def _disable_compile_caches_for_tensor_parallelism() -> None:
-    """A compiled graph loaded from torch's on-disk caches names tensor-parallel process groups
-    of the run that wrote it (pytorch/pytorch#176532; seen on CPU with torch 2.13, in bf16 too):
-    the second launch of the same command fails with "Could not resolve the process group
-    registered under the name N", or trains on wrong losses without a word (the loss compiled
-    alone: 3.9 instead of 8.1, tests/test_train_parallel.py). Compile from scratch instead."""
-    import torch._functorch.config
-
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
-    logger.warning(
-        "float8_moe: tensor parallelism with compile.enable: torch's on-disk compile caches "
-        "(FX graph, AOTAutograd) are off for this run; a cached graph names the process groups "
-        "of the run that wrote it, and the next run fails or trains wrong (pytorch/pytorch#176532)"
-    )
 
 
 class Float8MoEConverter:
@@ -151,34 +116,14 @@ class Float8MoEConverter:
             if parallel_dims.fsdp_enabled
             else None
         )
-        if self.fp8_all_gather and self.all_gather_dtype not in (None, torch.bfloat16):
-            # torchtitan's experts cast the weights to bf16, which needs the values.
-            raise ValueError(
-                "float8_moe: fp8_all_gather = true quantizes the shards in "
-                "training.mixed_precision_param, here "
-                f"{job_config.training.mixed_precision_param}, but torchtitan's experts multiply "
-                "the weights cast to bfloat16. Set training.mixed_precision_param = "
-                '"bfloat16" or `[float8_moe] fp8_all_gather = false`.'
-            )
-        _check_data_parallelism(parallel_dims)
+        check_fp8_all_gather_dtype(
+            self.fp8_all_gather, self.all_gather_dtype, job_config.training.mixed_precision_param
+        )
+        check_data_parallelism(parallel_dims)
         on_cuda = torch.cuda.is_available() if plan_target is None else plan_target == "cuda"
         if not on_cuda:
             _check_cpu_composition(job_config, parallel_dims)
-        self.emulate = config.emulate or not on_cuda
-        if self.emulate:
-            self.path = "emulated"
-            self.path_reason = "emulate = true" if config.emulate else "no CUDA device"
-        elif plan_target == "cuda":
-            self.path = "cuda"
-            self.path_reason = "planned for CUDA, fp8 support of the GPUs not checked"
-        elif fp8_kernels_available(torch.device("cuda", torch.cuda.current_device())):
-            self.path = "cuda"
-            self.path_reason = "fp8 tensor cores"
-        else:
-            raise ValueError(
-                "float8_moe: this GPU has no fp8 tensor cores (they need sm89+); set "
-                "`[float8_moe] emulate = true` to train with emulated fp8 numerics"
-            )
+        self.emulate, self.path, self.path_reason = choose_fp8_path(config.emulate, plan_target)
         if self.compiled and self.emulate and self.recipe.name == "blockwise":
             _check_blockwise_compile_backend(job_config.compile.backend)
         if job_config.compile.enable:
@@ -186,7 +131,7 @@ class Float8MoEConverter:
             # one rounding, which changes the fp8 values (pytorch/pytorch#150859).
             torch._inductor.config.emulate_precision_casts = True
             if parallel_dims.tp > 1:
-                _disable_compile_caches_for_tensor_parallelism()
+                disable_compile_caches_for_tensor_parallelism()
         self.shard_plan: list[ShardPlanRow] = []
 
     def convert(self, model: nn.Module) -> None:
@@ -209,23 +154,18 @@ class Float8MoEConverter:
             tokens=self.tokens,
             compiled=self.compiled,
         )
-        fp8_rows = [row for row in self.shard_plan if row.fp8]
-        kept = len(self.shard_plan) - len(fp8_rows)
-        log = logger.warning if not fp8_rows else logger.info
-        log(
-            f"float8_moe: converted {len(fp8_rows)} expert weights of {len(targets)} modules to "
-            f"{self.recipe.description}, {self.path} path ({self.path_reason}), "
-            f"policy {self.policy}"
-            + (
-                f" (kept {kept} in bf16 at {self.tokens} tokens per rank and micro-batch, the "
-                'plan says why; policy = "always" forces fp8)'
-                if kept
-                else ""
-            )
-            + f", fp8 weight cache {'on' if self.cache_fp8_weights else 'off'}, "
-            f"fp8 all-gather {'on' if self.fp8_all_gather else 'off'}; FSDP shard plan:\n"
-            + format_plan(self.shard_plan)
+        warn, message = conversion_message(
+            self.shard_plan,
+            len(targets),
+            self.path,
+            self.path_reason,
+            self.policy,
+            self.tokens,
+            self.cache_fp8_weights,
+            self.fp8_all_gather,
+            self.recipe.description,
         )
+        (logger.warning if warn else logger.info)(message)
 
     def _check_not_claimed_by_linear_converters(self, module_fqn: str, module: nn.Module):
         if is_grouped_experts(module):

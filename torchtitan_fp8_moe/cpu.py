@@ -26,7 +26,6 @@ import sys
 import warnings
 
 import torch
-from torchtitan.models.moe import utils as moe_utils
 from torchtitan.tools.logging import logger
 
 # torchtitan modules that bind the device type / module at import time.
@@ -44,7 +43,7 @@ _MODEL_ARGS_MODULES = (
     "torchtitan.models.gpt_oss.model.args",
 )
 _original_histc = torch.histc
-_original_generate_permute_indices = moe_utils.generate_permute_indices
+_original_generate_permute_indices = None  # torchtitan 0.2.2's, set by enable_moe_ops
 _original_disable_division = None
 
 
@@ -55,7 +54,6 @@ def _histc(input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return _original_histc(input, *args, **kwargs)
 
 
-@functools.wraps(_original_generate_permute_indices)
 def _generate_permute_indices(tokens_per_expert_group, *args, **kwargs):
     if tokens_per_expert_group.device.type == "cpu":
         kwargs["use_cpu"] = True
@@ -123,10 +121,11 @@ def use_fp32_gemms_for_bf16() -> None:
     _gemm_library = library
 
 
-def select_cpu_device() -> None:
-    """Make torchtitan use the CPU (``torch.cpu``) as its device."""
+def select_cpu_device(device_globals: dict[str, tuple[str, ...]] = _DEVICE_GLOBALS) -> None:
+    """Make torchtitan use the CPU (``torch.cpu``) as its device: ``device_globals`` names the
+    modules that bound the device at import, and the names they bound (default: 0.2.2's)."""
     values = {"device_type": "cpu", "device_module": torch.cpu}
-    for module_name, names in _DEVICE_GLOBALS.items():
+    for module_name, names in device_globals.items():
         module = importlib.import_module(module_name)
         for name in names:
             setattr(module, name, values[name])
@@ -135,9 +134,13 @@ def select_cpu_device() -> None:
 
 def enable_moe_ops() -> None:
     """Make torchtitan's MoE routing and token padding run on CPU tensors (idempotent)."""
+    global _original_generate_permute_indices
+    from torchtitan.models.moe import utils as moe_utils
+
     if torch.histc is _histc:
         return
     torch.histc = _histc
+    _original_generate_permute_indices = moe_utils.generate_permute_indices
     moe_utils.generate_permute_indices = _generate_permute_indices
     logger.info(
         "running on CPU: integer torch.histc is computed in float32 and MoE token-group "

@@ -39,7 +39,8 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.utils import set_default_dtype
 
 from . import converter as converter_module
-from .converter import Float8MoEConverter, check_cpu_context_parallelism
+from .converter import Float8MoEConverter
+from .run_checks import check_cpu_context_parallelism
 from .sharding import expert_fsdp_degree, format_plan, plan_expert_weight
 
 EXIT_OK = 0

@@ -169,9 +169,10 @@ _TP_DIM = {("grouped", "up"): 1, ("grouped", "down"): 2, ("linear", "up"): 0, ("
 
 
 def projection(fqn: str) -> str:
-    """ "down" for a down projection (``w2``, ``mlp2_weight``), else "up"."""
+    """ "down" for a down projection (``w2``, ``mlp2_weight``; torchtitan 0.3's ``w2_EDF``,
+    ``mlp2_weight_EDF``), else "up"."""
     name = fqn.split(".")[-1] if not fqn.endswith(".weight") else fqn.split(".")[-2]
-    return "down" if name in ("w2", "mlp2_weight") else "up"
+    return "down" if name.split("_")[0] in ("w2", "mlp2") else "up"
 
 
 def expert_fsdp_degree(dims: "ParallelDims") -> int:
@@ -228,7 +229,10 @@ def plan_expert_weight(
     parallelism first, then FSDP over what each rank holds. ``kind``: "routed" (grouped experts
     with E > 1), "grouped" (a grouped [1, out, in] shared expert) or "linear". ``even_tp``:
     refuse a tensor-parallel split that leaves ranks unequal shares (what fp8 weights need;
-    torchtitan splits a plain weight unevenly, and the row then holds the largest share)."""
+    torchtitan splits a plain weight unevenly, and the row then holds the largest share).
+    ``dims.routed_dim1_without_ep`` (torchtitan 0.3's dims view, ``torchtitan_v03/run.py``):
+    FSDP shards routed experts on dim 1 whenever its degree exceeds the expert count, also
+    without EP (0.2.2 does so under EP only)."""
     local = list(shape)
     splits = []
     uneven_tp = ""
@@ -261,6 +265,10 @@ def plan_expert_weight(
         # experts than FSDP ranks (torchtitan's rule).
         degree = expert_fsdp_degree(dims)
         if degree * dims.ep > shape[0]:
+            shard_dim = 1
+    elif routed and getattr(dims, "routed_dim1_without_ep", False):
+        # 0.3 compares the whole data-parallel mesh FSDP is given (HSDP: replicate x shard).
+        if degree * dims.dp_replicate > shape[0]:
             shard_dim = 1
     row = plan_weight(
         fqn, tuple(local), degree, shard_dim, itemsize, path, ", ".join(splits) or "-"

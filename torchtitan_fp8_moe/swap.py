@@ -84,9 +84,9 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def dense_feed_forwards(model: nn.Module) -> list[str]:
     """FQNs of the feed-forwards that are no MoE experts: a shared expert sits beside grouped
-    experts (torchtitan's MoE holds ``experts`` and ``shared_experts``), per-expert
-    feed-forwards sit in a list of several; a transformer block's ``feed_forward`` does
-    neither."""
+    experts (torchtitan's MoE holds ``experts`` and ``shared_experts``; 0.3's holds them one
+    level down, ``routed_experts.inner_experts``), per-expert feed-forwards sit in a list of
+    several; a transformer block's ``feed_forward`` does neither."""
     modules = dict(model.named_modules())
     dense = []
     for fqn, module in modules.items():
@@ -94,7 +94,9 @@ def dense_feed_forwards(model: nn.Module) -> list[str]:
             continue
         parent = modules[fqn.rpartition(".")[0]] if fqn else None
         siblings = list(parent.children()) if parent is not None else []
-        beside_grouped = any(is_grouped_experts(m) for m in siblings)
+        beside_grouped = any(
+            is_grouped_experts(m) or any(map(is_grouped_experts, m.children())) for m in siblings
+        )
         one_of_several = sum(is_feed_forward(m) for m in siblings) > 1 and isinstance(
             parent, nn.ModuleList | nn.ModuleDict
         )
@@ -159,7 +161,9 @@ def swap_expert_weights(
         owners.append((name, module.get_submodule(prefix), attr))
     if is_feed_forward(module):
         for name, linear, _ in owners:
-            if type(linear) is not nn.Linear:
+            # A subclass computing the nn.Linear forward is plain (torchtitan 0.3's Linear);
+            # one with its own forward was converted by another converter.
+            if type(linear).forward is not nn.Linear.forward:
                 raise ValueError(
                     f"float8_moe: {name} of {type(module).__name__} is already a "
                     f"{type(linear).__name__} (converted by another converter); exclude this "

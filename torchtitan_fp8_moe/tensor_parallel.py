@@ -20,6 +20,8 @@ contraction dim, so a case is exact when the shard keeps that dim whole):
 - expert parallelism splits whole experts: identical.
 """
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -69,13 +71,23 @@ class Float8MoELinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Float8MoELinear":
-        """A ``Float8MoELinear`` holding ``linear``'s weight parameter itself."""
+        """A ``Float8MoELinear`` holding ``linear``'s weight parameter itself. A subclass of
+        ``nn.Linear`` (torchtitan 0.3's ``Linear``) keeps its class too, mixed in below this
+        one, with its state: 0.3's module protocol, parameter init and sharding config."""
         if linear.bias is not None:
             raise ValueError(
                 f"float8_moe: a FeedForward linear with a bias ({list(linear.bias.shape)}) is not "
                 "supported; leave the module out of `float8_moe.fqns`"
             )
-        with torch.device("meta"):
-            converted = cls(linear.in_features, linear.out_features, bias=False)
-        converted.weight = linear.weight
-        return converted
+        if type(linear) is nn.Linear:
+            with torch.device("meta"):
+                converted = cls(linear.in_features, linear.out_features, bias=False)
+            converted.weight = linear.weight
+            return converted
+        linear.__class__ = _mixed_in(cls, type(linear))
+        return linear
+
+
+@functools.cache
+def _mixed_in(converted_cls: type, linear_cls: type) -> type:
+    return type(f"Float8MoE{linear_cls.__name__}", (converted_cls, linear_cls), {})

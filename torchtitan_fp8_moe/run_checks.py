@@ -1,0 +1,112 @@
+"""What the `float8_moe` converter of either torchtitan version decides and checks from a run's
+settings before converting: the fp8 path, the data parallelism it can train under, compile
+settings, and its log line. Plain values in, no torchtitan config objects, so 0.2.2's
+``converter.py`` and 0.3's ``torchtitan_v03/converter.py`` share it."""
+
+import torch
+import torch._inductor.config
+from torchtitan.tools.logging import logger
+
+from .sharding import ShardPlanRow, format_plan
+from .weight import fp8_kernels_available
+
+
+def choose_fp8_path(emulate: bool, plan_target: str | None) -> tuple[bool, str, str]:
+    """(emulate, path, why) of a run on this machine (``plan_target`` None) or planned for
+    "cuda" / "cpu" elsewhere (preflight: the GPUs' fp8 support is not checked there)."""
+    on_cuda = torch.cuda.is_available() if plan_target is None else plan_target == "cuda"
+    if emulate or not on_cuda:
+        return True, "emulated", "emulate = true" if emulate else "no CUDA device"
+    if plan_target == "cuda":
+        return False, "cuda", "planned for CUDA, fp8 support of the GPUs not checked"
+    if fp8_kernels_available(torch.device("cuda", torch.cuda.current_device())):
+        return False, "cuda", "fp8 tensor cores"
+    raise ValueError(
+        "float8_moe: this GPU has no fp8 tensor cores (they need sm89+); set "
+        "`[float8_moe] emulate = true` to train with emulated fp8 numerics"
+    )
+
+
+def check_fp8_all_gather_dtype(fp8_all_gather: bool, all_gather_dtype, param_dtype_name: str):
+    """fp8_all_gather quantizes the shards in FSDP's param dtype; the experts need bf16."""
+    if fp8_all_gather and all_gather_dtype not in (None, torch.bfloat16):
+        # torchtitan's experts cast the weights to bf16, which needs the values.
+        raise ValueError(
+            "float8_moe: fp8_all_gather = true quantizes the shards in "
+            f"training.mixed_precision_param, here {param_dtype_name}, but torchtitan's "
+            "experts multiply the weights cast to bfloat16. Set "
+            'training.mixed_precision_param = "bfloat16" or `[float8_moe] fp8_all_gather = '
+            "false`."
+        )
+
+
+def check_cpu_context_parallelism(parallel_dims) -> None:
+    """torch's context parallelism handles the CUDA attention kernels only (bf16 too)."""
+    if parallel_dims.cp > 1:
+        raise ValueError(
+            f"parallelism.context_parallel_degree = {parallel_dims.cp} fails on CPU at step 1, "
+            "in bf16 too: torch's context parallelism has no rule for the CPU attention kernel "
+            '("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have '
+            'a sharding strategy registered"). Set it to 1 on CPU'
+        )
+
+
+def check_data_parallelism(parallel_dims) -> None:
+    """Replicas without FSDP are torch's DDP, which broadcasts the weights at its first forward
+    with ``aten.cat``, an op a converted weight refuses rather than leave fp8."""
+    dims = parallel_dims
+    if dims.dp_replicate_enabled and not dims.fsdp_enabled and not dims.ep_enabled:
+        raise ValueError(
+            f"float8_moe: parallelism.data_parallel_replicate_degree = {dims.dp_replicate} "
+            "without FSDP (data_parallel_shard_degree 1) is DDP, which fails at step 1 with "
+            'converted weights: it broadcasts them with aten.cat ("float8_moe: aten.cat.default '
+            'on converted weights ... does not know this op"). Shard with FSDP instead: '
+            "data_parallel_shard_degree > 1 (HSDP with data_parallel_replicate_degree)."
+        )
+
+
+def conversion_message(
+    plan: list[ShardPlanRow],
+    modules: int,
+    path: str,
+    path_reason: str,
+    policy: str,
+    tokens: int | None,
+    cache_fp8_weights: bool,
+    fp8_all_gather: bool,
+    recipe_description: str = "fp8 rowwise",
+) -> tuple[bool, str]:
+    """(warn, text) of the converter's log line: how many weights went fp8, and the plan."""
+    fp8_rows = [row for row in plan if row.fp8]
+    kept = len(plan) - len(fp8_rows)
+    text = (
+        f"float8_moe: converted {len(fp8_rows)} expert weights of {modules} modules to "
+        f"{recipe_description}, {path} path ({path_reason}), policy {policy}"
+        + (
+            f" (kept {kept} in bf16 at {tokens} tokens per rank and micro-batch, the plan says "
+            'why; policy = "always" forces fp8)'
+            if kept
+            else ""
+        )
+        + f", fp8 weight cache {'on' if cache_fp8_weights else 'off'}, "
+        f"fp8 all-gather {'on' if fp8_all_gather else 'off'}; FSDP shard plan:\n"
+        + format_plan(plan)
+    )
+    return not fp8_rows, text
+
+
+def disable_compile_caches_for_tensor_parallelism() -> None:
+    """A compiled graph loaded from torch's on-disk caches names tensor-parallel process groups
+    of the run that wrote it (pytorch/pytorch#176532; seen on CPU with torch 2.13, in bf16 too):
+    the second launch of the same command fails with "Could not resolve the process group
+    registered under the name N", or trains on wrong losses without a word (the loss compiled
+    alone: 3.9 instead of 8.1, tests/test_train_parallel.py). Compile from scratch instead."""
+    import torch._functorch.config
+
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    logger.warning(
+        "float8_moe: tensor parallelism with compile.enable: torch's on-disk compile caches "
+        "(FX graph, AOTAutograd) are off for this run; a cached graph names the process groups "
+        "of the run that wrote it, and the next run fails or trains wrong (pytorch/pytorch#176532)"
+    )
