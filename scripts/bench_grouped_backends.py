@@ -130,8 +130,8 @@ def _forward_backends(x, w_nk, sizes, offs):
 
 def _wgrad_backends(x, dy, offs):
     """name -> callable computing ``dW_g = x_g^T . dy_g`` ([G, K, N])."""
-    xq, xs = _rowwise(x.t(), -1)  # per column k, over all tokens
-    gq, gs = _rowwise(dy.t(), -1)
+    xq, xs = _rowwise(x.t().contiguous(), -1)  # per column k, over all tokens (row-major)
+    gq, gs = _rowwise(dy.t().contiguous(), -1)
     return {
         "bf16": lambda: torch._grouped_mm(x.t(), dy, offs=offs),
         "torch_rowwise": lambda: torch._scaled_grouped_mm(
