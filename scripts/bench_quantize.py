@@ -56,12 +56,12 @@ TILES = [
 WEIGHT_SWEEP = [(2, 16), (4, 16), (8, 16), (16, 16), (32, 16), (32, 8), (32, 4), (8, 8)]
 
 
-def group_ends(tokens: int, seed: int, skew: float = 0.0) -> torch.Tensor:
+def group_ends(tokens: int, seed: int, skew: float = 0.0, groups: int = EXPERTS) -> torch.Tensor:
     """Uneven groups (as routing gives), each a multiple of 16 tokens, summing to ``tokens``;
     ``skew`` > 0 gives expert i a share proportional to (i + 1) ** -skew (imbalanced routing)."""
     generator = torch.Generator().manual_seed(seed)
-    weights = torch.rand(EXPERTS, generator=generator) + 0.2
-    weights *= (torch.arange(EXPERTS) + 1.0) ** -skew
+    weights = torch.rand(groups, generator=generator) + 0.2
+    weights *= (torch.arange(groups) + 1.0) ** -skew
     sizes = (weights / weights.sum() * tokens / 16).floor().long() * 16
     sizes[-1] += tokens - sizes.sum()
     return torch.cumsum(sizes, 0).to(torch.int32).cuda()
@@ -97,11 +97,12 @@ def sweep_tiles(tokens: int) -> list[dict]:
     skewed routing: the evidence behind the tile ``triton_per_group.py`` ships."""
     rows = []
     a = torch.randn(tokens, DIM, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(tokens, HIDDEN // 8, device="cuda", dtype=torch.bfloat16)
     for skew in (0.0, 1.0, 2.0):
         offs = group_ends(tokens, seed=1, skew=skew)
         for tile in TILES:
             per_group.BLOCK_ROWS, per_group.BLOCK_COLS, per_group.NUM_WARPS = tile
-            launch = partial(per_group.cast_per_group_colwise, a, offs)
+            launch = partial(per_group.cast_per_group_colwise_pair, a, grad, offs)
             rows.append(
                 {
                     "kernel": "per_group tile {}x{} w{}".format(*tile),
@@ -202,6 +203,19 @@ def weight_casts(sweep: bool) -> list[dict]:
     return rows
 
 
+# (groups, in_dim, out_dim) of the weight-gradient operands timed: Scout's routed projections,
+# their TP 8 shards, and the shared expert (one group) whole and as a TP 8 shard.
+PER_GROUP_CASES = {
+    "routed_w1": (EXPERTS, DIM, HIDDEN),
+    "routed_w2": (EXPERTS, HIDDEN, DIM),
+    "tp8_w1": (EXPERTS, DIM, HIDDEN // 8),
+    "tp8_w2": (EXPERTS, HIDDEN // 8, DIM),
+    "shared_w1": (1, DIM, HIDDEN),
+    "shared_tp8_w1": (1, DIM, HIDDEN // 8),
+    "shared_tp8_w2": (1, HIDDEN // 8, DIM),
+}
+
+
 def per_group_casts(args) -> list[dict]:
     """The weight-gradient operands' per-group casts: first calls at new token counts, then
     steady state, ours against torchao's (and other tiles of ours with --sweep)."""
@@ -221,8 +235,8 @@ def per_group_casts(args) -> list[dict]:
             }
         )
     for tokens in (int(t) for t in args.tokens.split(",")):
-        offs = group_ends(tokens, seed=tokens)
-        for case, (in_dim, out_dim) in (("routed_w1", (DIM, HIDDEN)), ("routed_w2", (HIDDEN, DIM))):
+        for case, (groups, in_dim, out_dim) in PER_GROUP_CASES.items():
+            offs = group_ends(tokens, seed=tokens, groups=groups)
             a = torch.randn(tokens, in_dim, device="cuda", dtype=torch.bfloat16)
             grad = torch.randn(tokens, out_dim, device="cuda", dtype=torch.bfloat16)
             # The fp8 data of both operands (torchao's scales are the reciprocals of ours).

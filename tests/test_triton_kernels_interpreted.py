@@ -15,40 +15,56 @@ import torch
 
 # (tokens M, columns C, group ends): empty groups, rows past the last group, one group, a group
 # shorter than a tile, columns not a multiple of the tile, M below one tile, a group over more
-# than two tiles (of 256 rows).
+# than two tiles (of 256 rows), groups ending exactly at a chunk's end, an empty last group.
 CASES = [
     (300, 70, [0, 5, 133, 133, 290]),
     (600, 70, [1, 560, 600]),
     (256, 64, [256]),
     (40, 130, [3, 3, 3, 40]),
     (129, 1, [1, 128, 129]),
+    (1100, 65, [256, 512, 513, 1024, 1024]),
 ]
 
 
 def _check_per_group_colwise() -> None:
     from torchtitan_fp8_moe.fp8 import gemm, torch_quantize
-    from torchtitan_fp8_moe.fp8.kernels.triton_per_group import cast_per_group_colwise
+    from torchtitan_fp8_moe.fp8.kernels.triton_per_group import cast_per_group_colwise_pair
     from torchtitan_fp8_moe.fp8.quantize import FP8_MAX
+
+    def want(x, groups, num_groups):
+        scales = torch_quantize.scales_from_amax(
+            torch_quantize._amax_per_group(x, groups, num_groups)
+        )
+        return (x.float() * gemm.per_token(scales, groups)).clamp(-FP8_MAX, FP8_MAX), scales
 
     torch.manual_seed(0)
     for tokens, cols, ends in CASES:
         # Columns spanning 12 orders of magnitude, so the scales differ per column and group.
         x = (torch.randn(tokens, cols) * torch.logspace(-6, 6, cols)).bfloat16()
         x[0] = 0  # an all-zero row; in CASES[2] group 0 is rows 0-2
+        grad = (torch.randn(tokens, cols + 9) * torch.logspace(4, -4, cols + 9)).bfloat16()
         offs = torch.tensor(ends, dtype=torch.int32)
-        values, scales = cast_per_group_colwise(x, offs, torch.float32)
         groups = gemm.token_groups(offs, tokens)
-        amax = torch_quantize._amax_per_group(x, groups, offs.numel())
-        want_scales = torch_quantize.scales_from_amax(amax)
-        assert torch.equal(scales, want_scales), (tokens, cols, ends)
-        want = (x.float() * gemm.per_token(want_scales, groups)).clamp(-FP8_MAX, FP8_MAX)
-        assert torch.equal(values[: ends[-1]], want[: ends[-1]]), (tokens, cols, ends)
-        assert values.stride() == (1, tokens), "column-major, as the wgrad GEMM reads it"
-    # A NaN stays NaN, and only where it was.
-    x = torch.ones(64, 8, dtype=torch.bfloat16)
-    x[5, 3] = math.nan
-    values, _ = cast_per_group_colwise(x, torch.tensor([64], dtype=torch.int32), torch.float32)
-    assert values.isnan().nonzero().tolist() == [[5, 3]]
+        # Chunks of one tile (most chunks span groups or split one), of two, and the default.
+        for chunk_rows in (256, 512, None):
+            out = cast_per_group_colwise_pair(x, grad, offs, torch.float32, chunk_rows)
+            for values, scales, source in ((out[0], out[1], x), (out[2], out[3], grad)):
+                want_values, want_scales = want(source, groups, offs.numel())
+                assert torch.equal(scales, want_scales), (tokens, cols, ends, chunk_rows)
+                assert torch.equal(values[: ends[-1]], want_values[: ends[-1]]), (
+                    tokens,
+                    cols,
+                    ends,
+                    chunk_rows,
+                )
+                assert values.stride() == (1, tokens), "column-major, as the wgrad GEMM reads it"
+    # A NaN stays NaN, and only where it was, whichever chunk holds it.
+    x = torch.ones(600, 8, dtype=torch.bfloat16)
+    x[5, 3] = x[530, 6] = math.nan
+    offs = torch.tensor([600], dtype=torch.int32)
+    values, _, grad_values, _ = cast_per_group_colwise_pair(x, x[:, :2], offs, torch.float32, 256)
+    assert values.isnan().nonzero().tolist() == [[5, 3], [530, 6]]
+    assert not grad_values.isnan().any()
 
 
 # Expert weights [G, K, N]: rows (N) not a multiple of a program's rows (64), K not a power of

@@ -13,6 +13,7 @@ A 3D x 3D batched matmul is the same thing with one group per batch entry, and a
 
 import torch
 
+from . import cast_reuse
 from .recipes import Recipe
 from .weight_cache import WeightPayloads, WeightQuantizer
 
@@ -32,7 +33,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         """``b_payloads``: the four tensors of ``WeightPayloads``, or none to quantize b (through
         ``cached`` if given); with them b carries only its shape and dtype."""
         quantize = recipe.quantizers(emulate)
-        a_fp8, a_scale = quantize.rows(a)
+        a_fp8, a_scale = cast_reuse.cast_once(quantize.rows, a)  # w1's cast of x serves w3
         if b_payloads:
             b_fp8, b_scale, b_t_fp8, b_t_scale = b_payloads
             ctx.save_for_backward(a, offs, b_t_fp8, b_t_scale)

@@ -16,8 +16,9 @@ from torchao.prototype.moe_training.kernels import (
     triton_fp8_rowwise_2d_scale_and_cast,
 )
 
+from . import cast_reuse
 from .gemm import column_major
-from .kernels.triton_per_group import per_group_colwise_fp8_pair
+from .kernels.triton_per_group import per_group_colwise_fp8, per_group_colwise_fp8_pair
 from .kernels.triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
 from .kernels.triton_transposed import transposed_fp8
 from .quantize import FP8_DTYPE, amax_along
@@ -67,5 +68,11 @@ def weight_transposed(
 
 def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
     """Per-group scales over tokens for the weight-gradient GEMM: ``(a_fp8, a_scales [G, K],
-    grad_fp8, grad_scales [G, N])``, data column-major."""
-    return per_group_colwise_fp8_pair(a, grad, offs)
+    grad_fp8, grad_scales [G, N])``, data column-major. w3's backward casts the routed tokens
+    for w1's too (``cast_reuse.py``)."""
+    kept = cast_reuse.take(per_group_pair, a, offs)
+    if kept is not None:
+        return (*kept, *per_group_colwise_fp8(grad, offs))
+    a_fp8, a_scales, grad_fp8, grad_scales = per_group_colwise_fp8_pair(a, grad, offs)
+    cast_reuse.keep(per_group_pair, a, (offs,), (a_fp8, a_scales))
+    return a_fp8, a_scales, grad_fp8, grad_scales

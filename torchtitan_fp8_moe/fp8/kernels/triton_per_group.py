@@ -1,15 +1,20 @@
-"""Our Triton kernel for the weight gradient's per-group column-wise fp8 cast (CUDA only).
+"""Our Triton kernels for the weight gradient's per-group column-wise fp8 casts (CUDA only).
 
 The weight-gradient GEMM ``a_g^T @ grad_g`` contracts over each group's tokens, so ``a [M, K]``
 and ``grad [M, N]`` get one scale per (group, column), over the group's rows, and are stored
-column-major for the GEMM. torchao 0.18's kernel for this autotunes 36 configurations keyed on
-the token count M: every new M (each step under expert parallelism, where the tokens a rank
-receives vary) re-benchmarks all of them, which made an EP 2 training step on two H200s about
-20x slower than bf16 (docs/benchmarks/archive/2026-11-30-deepseek-check-ep-tp/), and every
-first M costs seconds of compilation. This kernel has one fixed configuration and no
-autotuning: it compiles once per dtype and is launched as is for any M. Same rules as
-``quantize.py`` (largest power-of-2 scale that keeps the amax in fp8 range, saturating cast, NaN
-stays NaN). Rows past the last offset are neither read nor written.
+column-major for the GEMM. Same rules as ``quantize.py`` (largest power-of-2 scale that keeps
+the amax in fp8 range, saturating cast, NaN stays NaN where it was). Rows past the last offset
+are neither read nor written.
+
+Work is split by (column block, chunk of rows), not by group: a program's chunk may span several
+groups or a part of one. One program per (column block, group) streamed a whole group's rows:
+with one group (a shared expert) or few, a few dozen programs did all the work, 2.0 ms per
+layer call at the Scout preset's TP 8 shapes (docs/benchmarks/presets/). So the amax takes two
+launches: each program's partial column amaxes go to a zeroed buffer by atomic max, and a second
+launch casts with the finished scales. Both tensors of the pair share each launch. No
+autotuning: torchao 0.18's kernel re-tunes 36 configurations for every new token count, which
+made expert-parallel steps 20x slower than bf16 (docs/benchmarks/archive/2026-11-30-deepseek-
+check-ep-tp/); ours compiles once per dtype and takes any M.
 """
 
 import torch
@@ -20,81 +25,251 @@ from ..opaque import compile_opaque
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
-# Tile: BLOCK_ROWS tokens x BLOCK_COLS columns; one program per (column block, group). Chosen by
-# `scripts/bench_quantize.py --sweep` on an H200
-# (docs/benchmarks/archive/2026-11-30-per-group-kernel/): the fastest of 7 tiles for even and
-# skewed routing, where one group's programs stream most tokens.
+# Tile of one step: BLOCK_ROWS tokens x BLOCK_COLS columns (the old kernel's, chosen by
+# `scripts/bench_quantize.py --sweep`, docs/benchmarks/archive/2026-11-30-per-group-kernel/).
 BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 256, 64, 8
+# Row chunks are sized so that each launch has about this many programs: several per SM on an
+# H200 (132 SMs), whatever the groups.
+TARGET_PROGRAMS = 1024
+# Group ends read per step when finding a row's group.
+BLOCK_GROUPS = 128
 
 
 @triton.jit
-def _per_group_colwise_kernel(
+def _group_of(row, offs_ptr, groups, BLOCK_GROUPS: tl.constexpr):
+    """The group of token ``row``: how many group ends are <= row (``groups`` if none holds it)."""
+    count = 0
+    for first in range(0, groups, BLOCK_GROUPS):
+        index = first + tl.arange(0, BLOCK_GROUPS)
+        ends = tl.load(offs_ptr + index, mask=index < groups, other=2147483647)
+        count += tl.sum((ends <= row).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _chunk_groups(chunk, chunk_rows, offs_ptr, groups, BLOCK_GROUPS: tl.constexpr):
+    """The rows ``[chunk_start, chunk_end)`` of ``chunk`` that belong to a group, and the first
+    and last group they hold (last < first when there are none)."""
+    last_end = tl.load(offs_ptr + groups - 1)
+    chunk_start = chunk * chunk_rows
+    chunk_end = tl.minimum(chunk_start + chunk_rows, last_end)
+    first_group = _group_of(chunk_start, offs_ptr, groups, BLOCK_GROUPS)
+    last_group = _group_of(chunk_end - 1, offs_ptr, groups, BLOCK_GROUPS)
+    last_group = tl.where(chunk_end > chunk_start, last_group, first_group - 1)
+    return chunk_start, chunk_end, first_group, last_group
+
+
+@triton.jit
+def _rows_of(group, chunk_start, chunk_end, offs_ptr):
+    """The rows of ``group`` inside the chunk."""
+    group_start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
+    start = tl.maximum(group_start, chunk_start).to(tl.int64)
+    end = tl.minimum(tl.load(offs_ptr + group), chunk_end).to(tl.int64)
+    return start, end
+
+
+@triton.jit
+def _chunk_amax(
+    x_ptr,
+    amax_bits_ptr,
+    offs_ptr,
+    col_block,
+    chunk,
+    n_cols,
+    groups,
+    chunk_rows,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    cols = (col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)).to(tl.int64)
+    col_mask = cols < n_cols
+    chunk_start, chunk_end, first_group, last_group = _chunk_groups(
+        chunk, chunk_rows, offs_ptr, groups, BLOCK_GROUPS
+    )
+    for group in range(first_group, last_group + 1):
+        start, end = _rows_of(group, chunk_start, chunk_end, offs_ptr)
+        amax = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
+        for first in range(start, end, BLOCK_ROWS):
+            rows = first + tl.arange(0, BLOCK_ROWS)
+            mask = (rows < end)[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+        # A non-negative float's bits order as the float does (a NaN's above +inf), so an
+        # integer atomic max is a float max for every GPU and Triton version.
+        tl.atomic_max(
+            amax_bits_ptr + group * n_cols + cols,
+            amax.to(tl.int32, bitcast=True),
+            mask=col_mask,
+        )
+
+
+@triton.jit
+def _chunk_cast(
     x_ptr,
     out_ptr,
+    amax_bits_ptr,
     scale_ptr,
     offs_ptr,
+    col_block,
+    chunk,
     n_rows,
     n_cols,
+    groups,
+    chunk_rows,
     FP8_LIMIT: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
 ):
-    col_block = tl.program_id(0)
-    group = tl.program_id(1)
-    start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
-    end = tl.load(offs_ptr + group).to(tl.int64)
     cols = (col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)).to(tl.int64)
     col_mask = cols < n_cols
-    # Pass 1: the amax of each column over the group's rows.
-    amax = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
-    for first in range(start, end, BLOCK_ROWS):
-        rows = first + tl.arange(0, BLOCK_ROWS)
-        mask = (rows < end)[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
-    scale = pow2_scale(amax, FP8_LIMIT, AMAX_FLOOR)
-    tl.store(scale_ptr + group * n_cols + cols, scale, mask=col_mask)
-    # Pass 2: scale, saturate, cast; written column-major (element (r, c) at c * n_rows + r).
-    for first in range(start, end, BLOCK_ROWS):
-        rows = first + tl.arange(0, BLOCK_ROWS)
-        mask = (rows < end)[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-        y = saturate(x.to(tl.float32) * scale[None, :], FP8_LIMIT)
-        tl.store(
-            out_ptr + cols[None, :] * n_rows + rows[:, None],
-            y.to(out_ptr.dtype.element_ty),
-            mask=mask,
-        )
+    chunk_start, chunk_end, first_group, last_group = _chunk_groups(
+        chunk, chunk_rows, offs_ptr, groups, BLOCK_GROUPS
+    )
+    for group in range(first_group, last_group + 1):
+        start, end = _rows_of(group, chunk_start, chunk_end, offs_ptr)
+        amax_bits = tl.load(amax_bits_ptr + group * n_cols + cols, mask=col_mask, other=0)
+        scale = pow2_scale(amax_bits.to(tl.float32, bitcast=True), FP8_LIMIT, AMAX_FLOOR)
+        for first in range(start, end, BLOCK_ROWS):
+            rows = first + tl.arange(0, BLOCK_ROWS)
+            mask = (rows < end)[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+            y = saturate(x.to(tl.float32) * scale[None, :], FP8_LIMIT)
+            # Column-major: element (r, c) at c * n_rows + r.
+            tl.store(
+                out_ptr + cols[None, :] * n_rows + rows[:, None],
+                y.to(out_ptr.dtype.element_ty),
+                mask=mask,
+            )
+    if chunk == 0:
+        # Every group's scales, empty groups' too (from amax 0), written once per column block.
+        for first in range(0, groups, BLOCK_GROUPS):
+            group_ids = first + tl.arange(0, BLOCK_GROUPS)
+            index = group_ids.to(tl.int64)[:, None] * n_cols + cols[None, :]
+            mask = (group_ids < groups)[:, None] & col_mask[None, :]
+            amax_bits = tl.load(amax_bits_ptr + index, mask=mask, other=0)
+            scales = pow2_scale(amax_bits.to(tl.float32, bitcast=True), FP8_LIMIT, AMAX_FLOOR)
+            tl.store(scale_ptr + index, scales, mask=mask)
 
 
-def cast_per_group_colwise(
-    x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, C]`` -> ``out_dtype [M, C]`` column-major and fp32 scales ``[G, C]``, one per
-    (group, column) over the group's rows (groups end at ``offs``). ``out_dtype`` other than
-    fp8 keeps the scaled, saturated values uncast (how the tests check the kernel's logic in
-    Triton's CPU interpreter, which does not round to fp8 as the GPU does)."""
-    x = x.contiguous()
-    n_rows, n_cols = x.shape
+@triton.jit
+def _pair_amax_kernel(
+    a_ptr,
+    grad_ptr,
+    a_amax_ptr,
+    grad_amax_ptr,
+    offs_ptr,
+    a_cols,
+    grad_cols,
+    a_col_blocks,
+    groups,
+    chunk_rows,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    # Column blocks of a first, then grad's.
+    col_block, chunk = tl.program_id(0), tl.program_id(1)
+    if col_block < a_col_blocks:
+        _chunk_amax(
+            a_ptr, a_amax_ptr, offs_ptr, col_block, chunk, a_cols, groups, chunk_rows,
+            BLOCK_ROWS, BLOCK_COLS, BLOCK_GROUPS,
+        )  # fmt: skip
+    else:
+        _chunk_amax(
+            grad_ptr, grad_amax_ptr, offs_ptr, col_block - a_col_blocks, chunk, grad_cols,
+            groups, chunk_rows, BLOCK_ROWS, BLOCK_COLS, BLOCK_GROUPS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _pair_cast_kernel(
+    a_ptr,
+    grad_ptr,
+    a_out_ptr,
+    grad_out_ptr,
+    a_amax_ptr,
+    grad_amax_ptr,
+    a_scale_ptr,
+    grad_scale_ptr,
+    offs_ptr,
+    n_rows,
+    a_cols,
+    grad_cols,
+    a_col_blocks,
+    groups,
+    chunk_rows,
+    FP8_LIMIT: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    col_block, chunk = tl.program_id(0), tl.program_id(1)
+    if col_block < a_col_blocks:
+        _chunk_cast(
+            a_ptr, a_out_ptr, a_amax_ptr, a_scale_ptr, offs_ptr, col_block, chunk, n_rows,
+            a_cols, groups, chunk_rows, FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
+            BLOCK_GROUPS,
+        )  # fmt: skip
+    else:
+        _chunk_cast(
+            grad_ptr, grad_out_ptr, grad_amax_ptr, grad_scale_ptr, offs_ptr,
+            col_block - a_col_blocks, chunk, n_rows, grad_cols, groups, chunk_rows, FP8_LIMIT,
+            AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS, BLOCK_GROUPS,
+        )  # fmt: skip
+
+
+def chunk_rows_for(n_rows: int, col_blocks: int) -> int:
+    """Rows per chunk: a multiple of BLOCK_ROWS giving about TARGET_PROGRAMS programs."""
+    rows = triton.cdiv(n_rows * col_blocks, TARGET_PROGRAMS)
+    return max(BLOCK_ROWS, triton.cdiv(rows, BLOCK_ROWS) * BLOCK_ROWS)
+
+
+def cast_per_group_colwise_pair(
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = FP8_DTYPE,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``a [M, K]`` and ``grad [M, N]`` -> ``(a_out [M, K], a_scales [G, K], grad_out [M, N],
+    grad_scales [G, N])``: data column-major, fp32 scales one per (group, column) over the
+    group's rows (groups end at ``offs``). ``out_dtype`` other than fp8 keeps the scaled,
+    saturated values uncast (how the tests check the kernels' logic in Triton's CPU interpreter,
+    which does not round to fp8 as the GPU does); ``chunk_rows`` overrides the chunk size (a
+    multiple of BLOCK_ROWS; tests make chunks span groups with it)."""
+    a, grad = a.contiguous(), grad.contiguous()
+    n_rows, a_cols = a.shape
+    grad_cols = grad.shape[1]
     groups = offs.numel()
-    out = torch.empty((n_cols, n_rows), dtype=out_dtype, device=x.device).t()
-    scales = torch.empty((groups, n_cols), dtype=torch.float32, device=x.device)
-    if groups and n_cols:
-        _per_group_colwise_kernel[(triton.cdiv(n_cols, BLOCK_COLS), groups)](
-            x,
-            out,
-            scales,
-            offs,
-            n_rows,
-            n_cols,
-            FP8_LIMIT=FP8_MAX,
-            AMAX_FLOOR=AMAX_FLOOR,
-            BLOCK_ROWS=BLOCK_ROWS,
-            BLOCK_COLS=BLOCK_COLS,
-            num_warps=NUM_WARPS,
-        )
-    return out, scales
+    a_out = torch.empty((a_cols, n_rows), dtype=out_dtype, device=a.device).t()
+    grad_out = torch.empty((grad_cols, n_rows), dtype=out_dtype, device=a.device).t()
+    a_scales = torch.empty((groups, a_cols), dtype=torch.float32, device=a.device)
+    grad_scales = torch.empty((groups, grad_cols), dtype=torch.float32, device=a.device)
+    a_col_blocks = triton.cdiv(a_cols, BLOCK_COLS)
+    col_blocks = a_col_blocks + triton.cdiv(grad_cols, BLOCK_COLS)
+    if not groups or not col_blocks:
+        return a_out, a_scales, grad_out, grad_scales
+    # One zeroed buffer (one memset) holds both tensors' amax bits.
+    amax_bits = torch.zeros(groups * (a_cols + grad_cols), dtype=torch.int32, device=a.device)
+    a_amax, grad_amax = amax_bits[: groups * a_cols], amax_bits[groups * a_cols :]
+    chunk_rows = chunk_rows or chunk_rows_for(n_rows, col_blocks)
+    # At least one chunk: the cast launch's first chunk writes every group's scales.
+    grid = (col_blocks, max(1, triton.cdiv(n_rows, chunk_rows)))
+    shared = dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, BLOCK_GROUPS=BLOCK_GROUPS)
+    _pair_amax_kernel[grid](
+        a, grad, a_amax, grad_amax, offs, a_cols, grad_cols, a_col_blocks, groups, chunk_rows,
+        num_warps=NUM_WARPS, **shared,
+    )  # fmt: skip
+    _pair_cast_kernel[grid](
+        a, grad, a_out, grad_out, a_amax, grad_amax, a_scales, grad_scales, offs, n_rows,
+        a_cols, grad_cols, a_col_blocks, groups, chunk_rows, FP8_LIMIT=FP8_MAX,
+        AMAX_FLOOR=AMAX_FLOOR, num_warps=NUM_WARPS, **shared,
+    )  # fmt: skip
+    return a_out, a_scales, grad_out, grad_scales
 
 
 def _colwise_fp8_pair(
@@ -102,17 +277,25 @@ def _colwise_fp8_pair(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weight gradient's operands: ``(a_fp8, a_scales [G, K], grad_fp8, grad_scales [G, N])``,
     data column-major."""
-    return (*cast_per_group_colwise(a, offs), *cast_per_group_colwise(grad, offs))
+    return cast_per_group_colwise_pair(a, grad, offs)
+
+
+def _colwise_fp8(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One operand's cast (the other's came from ``cast_reuse.py``): a pair whose first tensor
+    has no columns."""
+    return cast_per_group_colwise_pair(x[:, :0], x, offs)[2:]
+
+
+def _colwise_fp8_fake(x: torch.Tensor, offs: torch.Tensor):
+    data = x.new_empty((x.shape[1], x.shape[0]), dtype=FP8_DTYPE).t()
+    return data, x.new_empty((offs.shape[0], x.shape[1]), dtype=torch.float32)
 
 
 def _colwise_fp8_pair_fake(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
-    def fake(x):
-        data = x.new_empty((x.shape[1], x.shape[0]), dtype=FP8_DTYPE).t()
-        return data, x.new_empty((offs.shape[0], x.shape[1]), dtype=torch.float32)
-
-    return (*fake(a), *fake(grad))
+    return (*_colwise_fp8_fake(a, offs), *_colwise_fp8_fake(grad, offs))
 
 
 per_group_colwise_fp8_pair = compile_opaque(
     "per_group_colwise_fp8_pair", _colwise_fp8_pair, _colwise_fp8_pair_fake
 )
+per_group_colwise_fp8 = compile_opaque("per_group_colwise_fp8", _colwise_fp8, _colwise_fp8_fake)

@@ -1,0 +1,122 @@
+"""The routed tokens' fp8 cast is made once for w1 and w3 (``fp8/cast_reuse.py``), with the
+results of casting them twice, and never reused for a tensor that changed or is another one.
+Runs emulated on CPU, and on CUDA too where a GPU with fp8 is present."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torchtitan.models.moe.moe import _run_experts_grouped_mm
+
+from torchtitan_fp8_moe.fp8 import cast_reuse, fp8_grouped_mm, recipe_named
+from torchtitan_fp8_moe.fp8.sqnr import sqnr
+from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig, fp8_kernels_available
+
+DIM, HIDDEN, EXPERTS = 64, 96, 4
+TOKENS_PER_EXPERT = [32, 0, 48, 16]  # one empty group; multiples of 16 for the CUDA kernels
+DEVICES = ["cpu"] + (
+    ["cuda"] if torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda")) else []
+)
+
+
+def _weights(device, emulate):
+    torch.manual_seed(0)
+    shapes = ((EXPERTS, HIDDEN, DIM), (EXPERTS, DIM, HIDDEN), (EXPERTS, HIDDEN, DIM))
+    plain = [torch.randn(s, device=device, dtype=torch.bfloat16) * 0.05 for s in shapes]
+    converted = [
+        nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(emulate=emulate))) for w in plain
+    ]
+    return plain, converted
+
+
+def _counting(monkeypatch, quantizers, name):
+    calls = []
+    original = getattr(quantizers, name)
+
+    def counted(*args):
+        calls.append(args[0])
+        return original(*args)
+
+    monkeypatch.setattr(quantizers, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_ffn_casts_the_routed_tokens_once(device, monkeypatch):
+    emulate = device == "cpu"
+    quantizers = recipe_named("rowwise").quantizers(emulate)
+    row_casts = _counting(monkeypatch, quantizers, "rows")
+    counts = torch.tensor(TOKENS_PER_EXPERT, device=device)
+    tokens = sum(TOKENS_PER_EXPERT)
+    x = torch.randn(tokens, DIM, device=device, dtype=torch.bfloat16)
+    grad = torch.randn(tokens, DIM, device=device, dtype=torch.bfloat16)
+    plain, converted = _weights(device, emulate)
+
+    x_fp8 = x.clone().requires_grad_()
+    out = _run_experts_grouped_mm(*converted, x_fp8, counts)
+    # Forward: x once for w1 and w3, then SiLU(x w1) * (x w3) for w2.
+    assert [t.shape[1] for t in row_casts] == [DIM, HIDDEN]
+    out.backward(grad)
+
+    # The same expert FFN with w3 given its own copy of x: two casts, same bytes.
+    x_twice = x.clone().requires_grad_()
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    w1, w2, w3 = converted_twice = _weights(device, emulate)[1]
+    h = torch.nn.functional.silu(torch._grouped_mm(x_twice, w1.transpose(-2, -1), offs=offs))
+    h = h * torch._grouped_mm(x_twice.clone(), w3.transpose(-2, -1), offs=offs)
+    out_twice = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    out_twice.backward(grad)
+    assert torch.equal(out, out_twice)
+    assert torch.equal(x_fp8.grad, x_twice.grad)
+    for once, twice in zip(converted, converted_twice, strict=True):
+        assert torch.equal(once.grad, twice.grad)
+
+    # And against plain bf16 math: the fp8 path ran (SQNR bounded) and within torchao's bars.
+    x_ref = x.float().requires_grad_()
+    ref = _run_experts_grouped_mm(*[w.float() for w in plain], x_ref, counts)
+    assert 23 <= sqnr(ref, out) < 40
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_changed_or_other_tensor_is_cast_again(device):
+    emulate = device == "cpu"
+    recipe = recipe_named("rowwise")
+    offs = torch.cumsum(torch.tensor(TOKENS_PER_EXPERT, device=device), 0, dtype=torch.int32)
+    x = torch.randn(sum(TOKENS_PER_EXPERT), DIM, device=device, dtype=torch.bfloat16)
+    (w1, _, w3), _ = _weights(device, emulate)
+    b1, b3 = w1.transpose(-2, -1), w3.transpose(-2, -1)
+
+    fp8_grouped_mm(x, b1, offs, recipe, emulate)
+    x.mul_(1024)  # in place: the kept cast no longer holds x's values
+    assert torch.equal(
+        fp8_grouped_mm(x, b3, offs, recipe, emulate),
+        fp8_grouped_mm(x.clone(), b3, offs, recipe, emulate),
+    )
+    y = x.clone()
+    fp8_grouped_mm(x, b1, offs, recipe, emulate)
+    # Another tensor, equal values: cast on its own (the slot is keyed by identity).
+    fp8_grouped_mm(y, b3, offs, recipe, emulate)
+    assert cast_reuse.take(recipe.quantizers(emulate).rows, y) is not None
+    assert cast_reuse.take(recipe.quantizers(emulate).rows, y) is None  # a hit empties the slot
+
+
+def test_the_slot_holds_one_cast_and_only_keepable_tensors():
+    def cast(t):
+        return t * 2
+
+    a, b = torch.ones(3), torch.ones(3)
+    offs = torch.tensor([3])
+    cast_reuse.keep(cast, a, (offs,), "a's")
+    assert cast_reuse.take(cast, a, torch.tensor([3])) is None  # other offsets object
+    assert cast_reuse.take(cast, a) is None  # other inputs
+    cast_reuse.keep(cast, b, (offs,), "b's")  # replaces a's
+    assert cast_reuse.take(cast, a, offs) is None
+    assert cast_reuse.take(cast, b, offs) == "b's"
+    with torch.inference_mode():
+        c = torch.ones(3)
+    assert cast_reuse.cast_once(cast, c) is not None
+    assert cast_reuse.take(cast, c) is None  # inference tensors have no version: never kept
+    d = torch.ones(3)
+    cast_reuse.keep(cast, d, (), "d's")
+    del d  # a freed tensor's cast is never handed to a new one at its address
+    e = torch.ones(3)
+    assert cast_reuse.take(cast, e) is None
