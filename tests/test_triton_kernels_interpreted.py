@@ -45,8 +45,8 @@ def _check_per_group_colwise() -> None:
         grad = (torch.randn(tokens, cols + 9) * torch.logspace(4, -4, cols + 9)).bfloat16()
         offs = torch.tensor(ends, dtype=torch.int32)
         groups = gemm.token_groups(offs, tokens)
-        # Chunks of one tile (most chunks span groups or split one), of two, and the default.
-        for chunk_rows in (256, 512, None):
+        # Whole groups, chunks of one tile (most span groups or split one), of two, the default.
+        for chunk_rows in (0, 256, 512, None):
             out = cast_per_group_colwise_pair(x, grad, offs, torch.float32, chunk_rows)
             for values, scales, source in ((out[0], out[1], x), (out[2], out[3], grad)):
                 want_values, want_scales = want(source, groups, offs.numel())
@@ -62,9 +62,12 @@ def _check_per_group_colwise() -> None:
     x = torch.ones(600, 8, dtype=torch.bfloat16)
     x[5, 3] = x[530, 6] = math.nan
     offs = torch.tensor([600], dtype=torch.int32)
-    values, _, grad_values, _ = cast_per_group_colwise_pair(x, x[:, :2], offs, torch.float32, 256)
-    assert values.isnan().nonzero().tolist() == [[5, 3], [530, 6]]
-    assert not grad_values.isnan().any()
+    for chunk_rows in (0, 256):
+        values, _, grad_values, _ = cast_per_group_colwise_pair(
+            x, x[:, :2], offs, torch.float32, chunk_rows
+        )
+        assert values.isnan().nonzero().tolist() == [[5, 3], [530, 6]]
+        assert not grad_values.isnan().any()
 
 
 # Expert weights [G, K, N]: rows (N) not a multiple of a program's rows (64), K not a power of

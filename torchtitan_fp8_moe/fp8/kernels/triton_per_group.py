@@ -6,12 +6,15 @@ column-major for the GEMM. Same rules as ``quantize.py`` (largest power-of-2 sca
 the amax in fp8 range, saturating cast, NaN stays NaN where it was). Rows past the last offset
 are neither read nor written.
 
-Work is split by (column block, chunk of rows), not by group: a program's chunk may span several
-groups or a part of one. One program per (column block, group) streamed a whole group's rows:
-with one group (a shared expert) or few, a few dozen programs did all the work, 2.0 ms per
-layer call at the Scout preset's TP 8 shapes (docs/benchmarks/presets/). So the amax takes two
-launches: each program's partial column amaxes go to a zeroed buffer by atomic max, and a second
-launch casts with the finished scales. Both tensors of the pair share each launch. No
+Two ways to split the work, by how many programs one per (column block, group) would make:
+- enough (routed experts): one launch, each program takes one group's rows of its columns, the
+  amax pass, then the cast pass, which reads them again from L2;
+- few (a shared expert is one group): one program per group streamed a whole expert's tokens,
+  and a few dozen programs did all the work, 2.0 ms per layer call at the Scout preset's TP 8
+  shapes (docs/benchmarks/presets/). Then programs take chunks of rows, which may span groups or
+  split one: each chunk's column amaxes go to a zeroed buffer by atomic max, and a second launch
+  casts with the finished scales (reading the tokens again from memory).
+Both tensors of the pair share each launch. No
 autotuning: torchao 0.18's kernel re-tunes 36 configurations for every new token count, which
 made expert-parallel steps 20x slower than bf16 (docs/benchmarks/archive/2026-11-30-deepseek-
 check-ep-tp/); ours compiles once per dtype and takes any M.
@@ -69,6 +72,48 @@ def _rows_of(group, chunk_start, chunk_end, offs_ptr):
 
 
 @triton.jit
+def _column_amax(
+    x_ptr, start, end, cols, col_mask, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr
+):
+    """The amax of each of ``cols`` over rows ``[start, end)``."""
+    amax = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
+    for first in range(start, end, BLOCK_ROWS):
+        rows = first + tl.arange(0, BLOCK_ROWS)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+    return amax
+
+
+@triton.jit
+def _cast_rows(
+    x_ptr,
+    out_ptr,
+    start,
+    end,
+    cols,
+    col_mask,
+    scale,
+    n_rows,
+    n_cols,
+    FP8_LIMIT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """Rows ``[start, end)`` of ``cols`` scaled, saturated and cast, written column-major
+    (element (r, c) at c * n_rows + r)."""
+    for first in range(start, end, BLOCK_ROWS):
+        rows = first + tl.arange(0, BLOCK_ROWS)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+        y = saturate(x.to(tl.float32) * scale[None, :], FP8_LIMIT)
+        tl.store(
+            out_ptr + cols[None, :] * n_rows + rows[:, None],
+            y.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+
+@triton.jit
 def _chunk_amax(
     x_ptr,
     amax_bits_ptr,
@@ -89,12 +134,7 @@ def _chunk_amax(
     )
     for group in range(first_group, last_group + 1):
         start, end = _rows_of(group, chunk_start, chunk_end, offs_ptr)
-        amax = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
-        for first in range(start, end, BLOCK_ROWS):
-            rows = first + tl.arange(0, BLOCK_ROWS)
-            mask = (rows < end)[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+        amax = _column_amax(x_ptr, start, end, cols, col_mask, n_cols, BLOCK_ROWS, BLOCK_COLS)
         # A non-negative float's bits order as the float does (a NaN's above +inf), so an
         # integer atomic max is a float max for every GPU and Triton version.
         tl.atomic_max(
@@ -132,17 +172,10 @@ def _chunk_cast(
         start, end = _rows_of(group, chunk_start, chunk_end, offs_ptr)
         amax_bits = tl.load(amax_bits_ptr + group * n_cols + cols, mask=col_mask, other=0)
         scale = pow2_scale(amax_bits.to(tl.float32, bitcast=True), FP8_LIMIT, AMAX_FLOOR)
-        for first in range(start, end, BLOCK_ROWS):
-            rows = first + tl.arange(0, BLOCK_ROWS)
-            mask = (rows < end)[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-            y = saturate(x.to(tl.float32) * scale[None, :], FP8_LIMIT)
-            # Column-major: element (r, c) at c * n_rows + r.
-            tl.store(
-                out_ptr + cols[None, :] * n_rows + rows[:, None],
-                y.to(out_ptr.dtype.element_ty),
-                mask=mask,
-            )
+        _cast_rows(
+            x_ptr, out_ptr, start, end, cols, col_mask, scale, n_rows, n_cols, FP8_LIMIT,
+            BLOCK_ROWS,
+        )  # fmt: skip
     if chunk == 0:
         # Every group's scales, empty groups' too (from amax 0), written once per column block.
         for first in range(0, groups, BLOCK_GROUPS):
@@ -155,7 +188,67 @@ def _chunk_cast(
 
 
 @triton.jit
-def _pair_amax_kernel(
+def _whole_group(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    offs_ptr,
+    col_block,
+    group,
+    n_rows,
+    n_cols,
+    FP8_LIMIT: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Both passes over one group's rows in one program: the second reads from L2."""
+    cols = (col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)).to(tl.int64)
+    col_mask = cols < n_cols
+    start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
+    end = tl.load(offs_ptr + group).to(tl.int64)
+    amax = _column_amax(x_ptr, start, end, cols, col_mask, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    scale = pow2_scale(amax, FP8_LIMIT, AMAX_FLOOR)
+    tl.store(scale_ptr + group * n_cols + cols, scale, mask=col_mask)
+    _cast_rows(
+        x_ptr, out_ptr, start, end, cols, col_mask, scale, n_rows, n_cols, FP8_LIMIT, BLOCK_ROWS
+    )
+
+
+@triton.jit
+def _per_group_whole_kernel(
+    a_ptr,
+    grad_ptr,
+    a_out_ptr,
+    grad_out_ptr,
+    a_scale_ptr,
+    grad_scale_ptr,
+    offs_ptr,
+    n_rows,
+    a_cols,
+    grad_cols,
+    a_col_blocks,
+    FP8_LIMIT: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    # One program per (column block, group); column blocks of a first, then grad's.
+    col_block, group = tl.program_id(0), tl.program_id(1)
+    if col_block < a_col_blocks:
+        _whole_group(
+            a_ptr, a_out_ptr, a_scale_ptr, offs_ptr, col_block, group, n_rows, a_cols,
+            FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
+        )  # fmt: skip
+    else:
+        _whole_group(
+            grad_ptr, grad_out_ptr, grad_scale_ptr, offs_ptr, col_block - a_col_blocks, group,
+            n_rows, grad_cols, FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _per_group_amax_kernel(
     a_ptr,
     grad_ptr,
     a_amax_ptr,
@@ -185,7 +278,7 @@ def _pair_amax_kernel(
 
 
 @triton.jit
-def _pair_cast_kernel(
+def _per_group_cast_kernel(
     a_ptr,
     grad_ptr,
     a_out_ptr,
@@ -222,8 +315,11 @@ def _pair_cast_kernel(
         )  # fmt: skip
 
 
-def chunk_rows_for(n_rows: int, col_blocks: int) -> int:
-    """Rows per chunk: a multiple of BLOCK_ROWS giving about TARGET_PROGRAMS programs."""
+def chunk_rows_for(n_rows: int, groups: int, col_blocks: int) -> int:
+    """Rows per program: 0 (whole groups, one launch) where one program per (column block,
+    group) already makes TARGET_PROGRAMS programs, else a multiple of BLOCK_ROWS that does."""
+    if groups * col_blocks >= TARGET_PROGRAMS:
+        return 0
     rows = triton.cdiv(n_rows * col_blocks, TARGET_PROGRAMS)
     return max(BLOCK_ROWS, triton.cdiv(rows, BLOCK_ROWS) * BLOCK_ROWS)
 
@@ -239,8 +335,8 @@ def cast_per_group_colwise_pair(
     grad_scales [G, N])``: data column-major, fp32 scales one per (group, column) over the
     group's rows (groups end at ``offs``). ``out_dtype`` other than fp8 keeps the scaled,
     saturated values uncast (how the tests check the kernels' logic in Triton's CPU interpreter,
-    which does not round to fp8 as the GPU does); ``chunk_rows`` overrides the chunk size (a
-    multiple of BLOCK_ROWS; tests make chunks span groups with it)."""
+    which does not round to fp8 as the GPU does); ``chunk_rows`` overrides ``chunk_rows_for``
+    (tests take both paths, and make chunks span groups, with it)."""
     a, grad = a.contiguous(), grad.contiguous()
     n_rows, a_cols = a.shape
     grad_cols = grad.shape[1]
@@ -253,21 +349,29 @@ def cast_per_group_colwise_pair(
     col_blocks = a_col_blocks + triton.cdiv(grad_cols, BLOCK_COLS)
     if not groups or not col_blocks:
         return a_out, a_scales, grad_out, grad_scales
+    if chunk_rows is None:
+        chunk_rows = chunk_rows_for(n_rows, groups, col_blocks)
+    limits = dict(FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, num_warps=NUM_WARPS)
+    tile = dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+    if chunk_rows == 0:
+        _per_group_whole_kernel[(col_blocks, groups)](
+            a, grad, a_out, grad_out, a_scales, grad_scales, offs, n_rows, a_cols, grad_cols,
+            a_col_blocks, **limits, **tile,
+        )  # fmt: skip
+        return a_out, a_scales, grad_out, grad_scales
     # One zeroed buffer (one memset) holds both tensors' amax bits.
     amax_bits = torch.zeros(groups * (a_cols + grad_cols), dtype=torch.int32, device=a.device)
     a_amax, grad_amax = amax_bits[: groups * a_cols], amax_bits[groups * a_cols :]
-    chunk_rows = chunk_rows or chunk_rows_for(n_rows, col_blocks)
     # At least one chunk: the cast launch's first chunk writes every group's scales.
     grid = (col_blocks, max(1, triton.cdiv(n_rows, chunk_rows)))
-    shared = dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, BLOCK_GROUPS=BLOCK_GROUPS)
-    _pair_amax_kernel[grid](
+    _per_group_amax_kernel[grid](
         a, grad, a_amax, grad_amax, offs, a_cols, grad_cols, a_col_blocks, groups, chunk_rows,
-        num_warps=NUM_WARPS, **shared,
+        num_warps=NUM_WARPS, BLOCK_GROUPS=BLOCK_GROUPS, **tile,
     )  # fmt: skip
-    _pair_cast_kernel[grid](
+    _per_group_cast_kernel[grid](
         a, grad, a_out, grad_out, a_amax, grad_amax, a_scales, grad_scales, offs, n_rows,
-        a_cols, grad_cols, a_col_blocks, groups, chunk_rows, FP8_LIMIT=FP8_MAX,
-        AMAX_FLOOR=AMAX_FLOOR, num_warps=NUM_WARPS, **shared,
+        a_cols, grad_cols, a_col_blocks, groups, chunk_rows, BLOCK_GROUPS=BLOCK_GROUPS,
+        **limits, **tile,
     )  # fmt: skip
     return a_out, a_scales, grad_out, grad_scales
 
