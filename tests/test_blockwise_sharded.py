@@ -6,28 +6,20 @@ tests/test_fsdp_uneven.py and tests/test_fp8_all_gather.py (names ending in -blo
 import logging
 
 import pytest
+from harness.parallel_checks import assert_matches_unsharded
 from harness.suites.blockwise import BLOCKWISE_PARALLEL_CASES
 from test_converter import CUSTOM_CONFIG, _convert, _parallel_dims
 from test_preflight import _preflight
 
 from torchtitan_fp8_moe.preflight import EXIT_FAILED, EXIT_OK
 
-LOSS_GAP, EXPERT_GRAD_DB = 5e-4, 25.0
 BLOCKWISE = [CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.recipe=blockwise"]
 
 
 @pytest.mark.slow  # one 2-rank launch of torchtitan's TP on the debug model
 @pytest.mark.parametrize("case", [c[0] for c in BLOCKWISE_PARALLEL_CASES])
 def test_tensor_parallel_blockwise_matches_unsharded(dist_results, case):
-    ranks = dist_results("blockwise_parallel", 2)
-    for rank, results in enumerate(ranks):
-        assert "error" not in results, f"rank {rank}: {results.get('traceback')}"
-        result = results.get(case)
-        assert result is not None, f"rank {rank} did not reach {case}"
-        assert result.get("error") is None, f"rank {rank}: {result.get('traceback')}"
-        assert set(result["expert_weights"].values()) == {"Float8MoEWeight"}, result
-        assert abs(result["loss"] - result["reference_loss"]) < LOSS_GAP, result
-        assert result["min_expert_grad_sqnr"] > EXPERT_GRAD_DB, result["worst_grads"]
+    for result in assert_matches_unsharded(dist_results("blockwise_parallel", 2), case):
         for fqn, planned in result["plan"].items():
             assert planned["local_shape"] == result["actual"][fqn]["local_shape"], fqn
 

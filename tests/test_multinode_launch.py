@@ -162,28 +162,28 @@ def torchrun_argv(tmp_path):
     return argv
 
 
+# The end of the launcher's torchrun command line for ``torchrun_argv("--training.steps=2")``,
+# single- and multi-node alike: torchrun's output options, then the training module.
+TORCHRUN_OUTPUT_OPTIONS = ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]
+TRAIN_TWO_STEPS = [
+    "-m",
+    "torchtitan_fp8_moe.train",
+    "--job.config_file",
+    "train_configs/llama4_debug.toml",
+    "--training.steps=2",
+]
+
+
 @pytest.mark.slow  # each command line test starts torchrun: about 3.5 s
 def test_without_nnodes_the_command_line_is_the_single_node_one(torchrun_argv):
-    train = [
-        "-m",
-        "torchtitan_fp8_moe.train",
-        "--job.config_file",
-        "train_configs/llama4_debug.toml",
-        "--training.steps=2",
-    ]
     assert torchrun_argv("--training.steps=2", NGPU="2") == [
         "prefix=",
         "--nproc_per_node=2",
         "--rdzv_backend",
         "c10d",
         "--rdzv_endpoint=localhost:0",
-        "--local-ranks-filter",
-        "0",
-        "--role",
-        "rank",
-        "--tee",
-        "3",
-        *train,
+        *TORCHRUN_OUTPUT_OPTIONS,
+        *TRAIN_TWO_STEPS,
     ]
 
 
@@ -208,16 +208,4 @@ def test_with_nnodes_the_command_line_joins_the_rendezvous(torchrun_argv, node_r
         "--rdzv_id=4242",
         f"--rdzv_conf=is_host={is_host}",
     ]
-    assert argv[7:] == [
-        "--local-ranks-filter",
-        "0",
-        "--role",
-        "rank",
-        "--tee",
-        "3",
-        "-m",
-        "torchtitan_fp8_moe.train",
-        "--job.config_file",
-        "train_configs/llama4_debug.toml",
-        "--training.steps=2",
-    ]
+    assert argv[7:] == [*TORCHRUN_OUTPUT_OPTIONS, *TRAIN_TWO_STEPS]

@@ -19,6 +19,7 @@ from torchtitan_fp8_moe.preflight import main, planning_for
 REPO = Path(__file__).resolve().parent.parent
 SEED_CONFIG = "train_configs/llama4_grouped_shared_debug.toml"
 SCOUT_CONFIG = "train_configs/llama4_17bx16e.toml"
+SCOUT_AT_64_RANKS = ["--config", SCOUT_CONFIG, "--ngpu", "64"]
 
 
 def _preflight_process(*args: str) -> subprocess.CompletedProcess:
@@ -79,10 +80,7 @@ def test_scout_at_64_ranks_plans_in_seconds(capsys):
     started = time.perf_counter()
     rc, out, err = _preflight(
         capsys,
-        "--config",
-        SCOUT_CONFIG,
-        "--ngpu",
-        "64",
+        *SCOUT_AT_64_RANKS,
         # the config's own degrees today; kept explicit so the case stays a passing one
         "--parallelism.tensor_parallel_degree=1",
         "--parallelism.expert_tensor_parallel_degree=1",
@@ -125,10 +123,7 @@ def test_scout_preset_parallelism_tp8_etp8_at_64_ranks(capsys):
     multiplies a 1/8 slice of every expert weight; FSDP 8 shards those."""
     rc, out, err = _preflight(
         capsys,
-        "--config",
-        SCOUT_CONFIG,
-        "--ngpu",
-        "64",
+        *SCOUT_AT_64_RANKS,
         "--parallelism.tensor_parallel_degree=8",
         "--parallelism.expert_tensor_parallel_degree=8",
         "--float8_moe.policy=always",

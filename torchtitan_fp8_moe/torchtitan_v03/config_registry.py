@@ -9,6 +9,7 @@ shapes are far too small for fp8 to pay, so they convert with policy "always"; t
 entries keep the default "auto" policy (torchtitan_fp8_moe/policy.py).
 """
 
+from collections.abc import Callable
 from pathlib import Path
 
 from torchtitan.models import deepseek_v3, gpt_oss, qwen3
@@ -22,12 +23,28 @@ from .converter import Float8MoEConverter
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # The debug models' CPU-sized batch: 4 sequences of 256 tokens per rank.
 _DEBUG_BATCH, _DEBUG_SEQ_LEN = 4, 256
+# The backend float8_moe is tested with (run.py); 0.3's default, spmd_types, fails on CPU in bf16
+# too.
+_SPMD_BACKEND = "partial_dtensor"
 
 
 def _float8_moe(config: Trainer.Config, policy: str) -> list:
     """The model converters of ``config``'s model: float8_moe."""
     compiled = config.compile.enable and "model" in config.compile.components
     return [Float8MoEConverter.Config(policy=policy, model_compile_enabled=compiled)]
+
+
+def _with_float8_moe(
+    config: Trainer.Config, policy: str, model_registry: Callable, flavor: str, **model_options
+) -> Trainer.Config:
+    """``config`` with float8_moe added to its model's converters, on the spmd backend float8_moe
+    is tested with. ``model_registry(flavor, **model_options)`` must build the model ``config``
+    already holds."""
+    config.parallelism.spmd_backend = _SPMD_BACKEND
+    config.model_spec = model_registry(
+        flavor, converters=_float8_moe(config, policy), **model_options
+    )
+    return config
 
 
 def _on_bundled_assets(config: Trainer.Config) -> Trainer.Config:
@@ -43,9 +60,7 @@ def _on_bundled_assets(config: Trainer.Config) -> Trainer.Config:
     # expert_parallel_degree > 1).
     config.training.disable_cuda_graphs = True
     config.checkpoint.interval = 10
-    # The backend float8_moe is tested with (run.py); 0.3's default, spmd_types, fails on CPU
-    # in bf16 too.
-    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.spmd_backend = _SPMD_BACKEND
     return config
 
 
@@ -55,11 +70,9 @@ def deepseek_v3_debugmodel() -> Trainer.Config:
 
 
 def deepseek_v3_debugmodel_float8_moe() -> Trainer.Config:
-    config = deepseek_v3_debugmodel()
-    config.model_spec = deepseek_v3.model_registry(
-        "debugmodel", converters=_float8_moe(config, "always")
+    return _with_float8_moe(
+        deepseek_v3_debugmodel(), "always", deepseek_v3.model_registry, "debugmodel"
     )
-    return config
 
 
 def qwen3_moe_debug() -> Trainer.Config:
@@ -67,11 +80,7 @@ def qwen3_moe_debug() -> Trainer.Config:
 
 
 def qwen3_moe_debug_float8_moe() -> Trainer.Config:
-    config = qwen3_moe_debug()
-    config.model_spec = qwen3.model_registry(
-        "debugmodel_moe", converters=_float8_moe(config, "always")
-    )
-    return config
+    return _with_float8_moe(qwen3_moe_debug(), "always", qwen3.model_registry, "debugmodel_moe")
 
 
 def gpt_oss_debugmodel() -> Trainer.Config:
@@ -80,34 +89,31 @@ def gpt_oss_debugmodel() -> Trainer.Config:
 
 
 def gpt_oss_debugmodel_float8_moe() -> Trainer.Config:
-    config = gpt_oss_debugmodel()
-    config.model_spec = gpt_oss.model_registry(
-        "debugmodel", attn_backend="flex", converters=_float8_moe(config, "always")
+    return _with_float8_moe(
+        gpt_oss_debugmodel(), "always", gpt_oss.model_registry, "debugmodel", attn_backend="flex"
     )
-    return config
 
 
 # Full-size models, on torchtitan's own settings and assets (download them as its README says).
 def deepseek_v3_16b_float8_moe() -> Trainer.Config:
-    config = deepseek_v3_entries.deepseek_v3_16b()
-    config.parallelism.spmd_backend = "partial_dtensor"
-    config.model_spec = deepseek_v3.model_registry(
-        "16B", attn_backend="flex", converters=_float8_moe(config, "auto")
+    return _with_float8_moe(
+        deepseek_v3_entries.deepseek_v3_16b(),
+        "auto",
+        deepseek_v3.model_registry,
+        "16B",
+        attn_backend="flex",
     )
-    return config
 
 
 def deepseek_v3_671b_float8_moe() -> Trainer.Config:
-    config = deepseek_v3_entries.deepseek_v3_671b()
-    config.parallelism.spmd_backend = "partial_dtensor"
-    config.model_spec = deepseek_v3.model_registry(
-        "671B", attn_backend="flex", converters=_float8_moe(config, "auto")
+    return _with_float8_moe(
+        deepseek_v3_entries.deepseek_v3_671b(),
+        "auto",
+        deepseek_v3.model_registry,
+        "671B",
+        attn_backend="flex",
     )
-    return config
 
 
 def qwen3_30b_a3b_float8_moe() -> Trainer.Config:
-    config = qwen3_entries.qwen3_30b_a3b()
-    config.parallelism.spmd_backend = "partial_dtensor"
-    config.model_spec = qwen3.model_registry("30B-A3B", converters=_float8_moe(config, "auto"))
-    return config
+    return _with_float8_moe(qwen3_entries.qwen3_30b_a3b(), "auto", qwen3.model_registry, "30B-A3B")
