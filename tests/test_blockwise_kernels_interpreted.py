@@ -228,6 +228,52 @@ def _check_wgrad() -> None:
         assert close(dense, x.t() @ dy, x.t().abs() @ dy.abs()), (m, k, n)
 
 
+def _fp8_rounded_by_torch(kernel, data_outputs):
+    """``kernel`` writing fp32 values that torch casts to fp8 (the interpreter's fp8 stores do
+    not round as a GPU's do), strides kept."""
+    from torchtitan_fp8_moe.fp8.quantize import FP8_DTYPE
+
+    def cast(*args):
+        outputs = kernel(*args, out_dtype=torch.float32)
+        if not isinstance(outputs, tuple):
+            return outputs.to(FP8_DTYPE)
+        return tuple(
+            t.to(FP8_DTYPE) if i in data_outputs and t is not None else t
+            for i, t in enumerate(outputs)
+        )
+
+    return cast
+
+
+def _check_autograd_on_kernels() -> None:
+    """``fp8_grouped_mm`` with the recipe's kernels (``emulate=False``) against its emulation:
+    the layouts the quantizers hand the GEMMs, forward and both gradients, equal up to
+    accumulation order."""
+    from torchtitan_fp8_moe.fp8 import blockwise_triton_quantize as cuda
+    from torchtitan_fp8_moe.fp8 import fp8_grouped_mm, recipe_named
+    from torchtitan_fp8_moe.fp8.kernels import blockwise_quantize as bq
+
+    cuda.quantize_1x128 = _fp8_rounded_by_torch(bq.quantize_1x128, (0,))
+    cuda.quantize_128x1 = _fp8_rounded_by_torch(bq.quantize_128x1, (0,))
+    cuda.quantize_128x128 = _fp8_rounded_by_torch(bq.quantize_128x128, (0, 2))
+    cuda.quantize_128x128_transposed = _fp8_rounded_by_torch(bq.quantize_128x128_transposed, ())
+    torch.manual_seed(0)
+    recipe = recipe_named("blockwise")
+    offs = torch.tensor([128, 128, 300], dtype=torch.int32)  # 128-aligned starts, an empty group
+    x = torch.randn(320, 200, dtype=torch.bfloat16)
+    stored = (torch.randn(3, 130, 200) * 0.02).bfloat16()  # [E, out, in], as torchtitan holds it
+    grad = torch.randn(320, 130, dtype=torch.bfloat16)
+    results = []
+    for emulate in (True, False):
+        a, w = x.clone().requires_grad_(), stored.clone().requires_grad_()
+        out = fp8_grouped_mm(a, w.transpose(-2, -1), offs, recipe, emulate)
+        out.backward(grad)
+        results.append((out.float(), a.grad.float(), w.grad.float()))
+    for want, got in zip(*results, strict=True):
+        assert (got - want).norm() <= 2**-7 * want.norm(), (got - want).norm() / want.norm()
+    assert not results[1][0][300:].any() and not results[1][1][300:].any()
+
+
 def _run_interpreted(check: str) -> None:
     run_interpreted("test_blockwise_kernels_interpreted", check)
 
@@ -247,6 +293,12 @@ def test_blockwise_grouped_mm_in_triton_interpreter():
 def test_blockwise_wgrad_in_triton_interpreter():
     """Per-group contraction over 128-token blocks, empty groups give 0."""
     _run_interpreted("_check_wgrad")
+
+
+def test_blockwise_autograd_on_kernels_in_triton_interpreter():
+    """The CUDA recipe end to end (quantizers, GEMMs, the autograd function) equals its
+    emulation."""
+    _run_interpreted("_check_autograd_on_kernels")
 
 
 def test_blockwise_gemms_have_shape_rules():
