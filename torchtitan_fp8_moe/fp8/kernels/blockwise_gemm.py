@@ -215,7 +215,7 @@ def _wgrad_kernel(
             k_mask, n_mask, stride_am, stride_ak, stride_asm, stride_ask, stride_gm, stride_gn,
             stride_gsm, stride_gsn, BLOCK_T=BLOCK_T, MASK_TOKENS=False,
         )  # fmt: skip
-    if end % BLOCK_T != 0 and end > start:
+    if (end % BLOCK_T != 0) & (end > start):
         acc = _wgrad_step(
             acc, a_ptr, a_scale_ptr, g_ptr, g_scale_ptr, end // BLOCK_T, start, end, ks, ns,
             k_mask, n_mask, stride_am, stride_ak, stride_asm, stride_ask, stride_gm, stride_gn,
