@@ -18,6 +18,8 @@ from torchtitan_fp8_moe.fp8.sqnr import sqnr
 if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
     pytest.skip("needs a CUDA device with fp8 (sm89+)", allow_module_level=True)
 
+from torchtitan_fp8_moe.fp8 import blockwise_quantize as rules  # noqa: E402
+from torchtitan_fp8_moe.fp8 import blockwise_triton_quantize as cuda  # noqa: E402
 from torchtitan_fp8_moe.fp8.kernels import blockwise_quantize as bq  # noqa: E402
 from torchtitan_fp8_moe.fp8.kernels.blockwise_gemm import (  # noqa: E402
     blockwise_grouped_mm,
@@ -49,36 +51,48 @@ def _bytes(data: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows,cols", [(2048, 640), (40, 130), (1, 7), (129, 256)])
-def test_activation_casts_give_the_torch_rules_codes(rows, cols):
+def test_activation_cast_gives_the_torch_rules_codes(rows, cols):
     x = spread(rows, cols).cuda()
-    for kernel, reference in [
-        (bq.quantize_1x128, bq.quantize_1x128_torch),
-        (bq.quantize_128x1, bq.quantize_128x1_torch),
-    ]:
-        (data, scale), (want_data, want_scale) = kernel(x), reference(x)
+    for operand in (x, x.t().contiguous().t()):  # read through the strides
+        (data, scale), (want_data, want_scale) = cuda.rows(operand), rules.rows(x)
         assert torch.equal(scale, want_scale)
         assert torch.equal(_bytes(data), _bytes(want_data))
-        # Strided input.
-        data, scale = kernel(x.t().contiguous().t())
-        assert torch.equal(scale, want_scale) and torch.equal(_bytes(data), _bytes(want_data))
-    assert bq.quantize_128x1(x)[0].stride() == (1, rows)
+
+
+@pytest.mark.parametrize("m,c,ends", [(2048, 640, [0, 256, 256, 1280, 1900]), (40, 130, [40])])
+def test_weight_gradient_casts_give_the_torch_rules_codes(m, c, ends):
+    x, grad = spread(m, c).cuda(), spread(m, 70).cuda()
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    got, want = cuda.per_group_pair(x, grad, offs), rules.per_group_pair(x, grad, offs)
+    tokens = ends[-1]
+    for data, want_data in ((got[0], want[0]), (got[2], want[2])):
+        assert data.stride(0) == 1, "token-contiguous"
+        assert torch.equal(_bytes(data[:tokens]), _bytes(want_data[:tokens]))
+        assert not data[tokens:].float().any(), "rows of no group are 0"
+    assert torch.equal(got[1], want[1]) and torch.equal(got[3], want[3])
 
 
 @pytest.mark.parametrize("groups,k,n", [(3, 640, 1000), (1, 128, 256), (2, 5, 1)])
-def test_weight_cast_gives_the_torch_rules_codes(groups, k, n):
+def test_weight_casts_give_the_torch_rules_codes(groups, k, n):
     stored = torch.stack([spread(n, k) for _ in range(groups)]).cuda()  # [G, N, K]
     for w in (stored.transpose(-2, -1), stored.transpose(-2, -1).contiguous()):
-        data, scale = bq.quantize_128x128(w)
-        want_data, want_scale = bq.quantize_128x128_torch(w)
+        data, scale, state = cuda.weight(w)
+        want_data, want_scale, want_state = rules.weight(w)
         assert torch.equal(scale, want_scale)
-        assert torch.equal(_bytes(data), _bytes(want_data))
-        assert data.stride() == w.stride()
+        assert torch.equal(_bytes(data), _bytes(want_data)) and data.stride(1) == 1
+        data_t, scale_t = cuda.weight_transposed(w, state)
+        want_data_t, want_scale_t = rules.weight_transposed(w, want_state)
+        assert torch.equal(scale_t, want_scale_t)
+        assert torch.equal(_bytes(data_t), _bytes(want_data_t)) and data_t.stride(1) == 1
+        both = bq.quantize_128x128(w, transposed_too=True)
+        assert torch.equal(_bytes(both[0]), _bytes(data))
+        assert torch.equal(_bytes(both[2]), _bytes(data_t))
 
 
 def _operands(m, k, n, groups):
-    x_data, x_scale = bq.quantize_1x128_torch(spread(m, k).cuda())
+    x_data, x_scale = rules.rows(spread(m, k).cuda())
     stored = torch.stack([spread(n, k) for _ in range(groups)]).cuda()
-    w_data, w_scale = bq.quantize_128x128(stored.transpose(-2, -1))
+    w_data, w_scale, _ = cuda.weight(stored.transpose(-2, -1))
     return x_data, x_scale, w_data, w_scale
 
 
@@ -94,14 +108,15 @@ def test_grouped_mm_equals_fp64_on_the_fp8_values(m, k, n, ends):
         got = blockwise_grouped_mm(x_data, x_scale, b, w_scale, offs, torch.float32)
         assert close(got, grouped_reference(x, w, ends, m), magnitude, BITS)
         assert not got[ends[-1] :].any(), "rows past the last group are 0"
-    # Input gradient: the same blocks through the transposed view and scale.
-    dy_data, dy_scale = bq.quantize_1x128_torch(spread(m, n).cuda())
+    # Input gradient: the same blocks transposed, N-major (the CUDA quantizer's) and K-major.
+    dy_data, dy_scale = rules.rows(spread(m, n).cuda())
     dy, w_t = dequantized(dy_data, dy_scale, (1,)).double(), w.transpose(-2, -1)
-    got = blockwise_grouped_mm(
-        dy_data, dy_scale, w_data.transpose(-2, -1), w_scale.transpose(-2, -1), offs, torch.float32
-    )
     want = grouped_reference(dy, w_t, ends, m)
-    assert close(got, want, grouped_reference(dy.abs(), w_t.abs(), ends, m), BITS)
+    for b_t in (w_data.contiguous().transpose(-2, -1), w_data.transpose(-2, -1)):
+        got = blockwise_grouped_mm(
+            dy_data, dy_scale, b_t, w_scale.transpose(-2, -1), offs, torch.float32
+        )
+        assert close(got, want, grouped_reference(dy.abs(), w_t.abs(), ends, m), BITS)
     got = blockwise_mm(x_data, x_scale, w_data[-1], w_scale[-1], torch.float32)
     assert close(got, x @ w[-1], x.abs() @ w[-1].abs(), BITS)
 
@@ -110,8 +125,10 @@ def test_grouped_mm_equals_fp64_on_the_fp8_values(m, k, n, ends):
 def test_wgrad_equals_fp64_on_the_fp8_values(m, k, n, ends):
     torch.manual_seed(0)
     offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
-    x_data, x_scale = bq.quantize_128x1(spread(m, k).cuda())
-    dy_data, dy_scale = bq.quantize_128x1(spread(m, n).cuda())
+    x_data, x_scale, dy_data, dy_scale = cuda.per_group_pair(
+        spread(m, k).cuda(), spread(m, n).cuda(), offs
+    )
+    x_scale, dy_scale = x_scale[: -(-m // 128)], dy_scale[: -(-m // 128)]
     x = dequantized(x_data, x_scale, (0,)).double()
     dy = dequantized(dy_data, dy_scale, (0,)).double()
     got = blockwise_grouped_mm_wgrad(x_data, x_scale, dy_data, dy_scale, offs)
@@ -120,7 +137,11 @@ def test_wgrad_equals_fp64_on_the_fp8_values(m, k, n, ends):
     for group, end in enumerate(ends):
         if end == ([0] + ends)[group]:
             assert not got[group].any(), "an empty group's gradient is 0"
-    got = blockwise_mm_wgrad(x_data, x_scale, dy_data, dy_scale)
+    tokens, token_blocks = slice(0, ends[-1]), slice(0, -(-ends[-1] // 128))
+    got = blockwise_mm_wgrad(
+        x_data[tokens], x_scale[token_blocks], dy_data[tokens], dy_scale[token_blocks]
+    )
+    x, dy = x[tokens], dy[tokens]
     assert close(got, x.t() @ dy, x.t().abs() @ dy.abs(), BITS)
 
 
@@ -137,15 +158,15 @@ def test_blockwise_training_gemms_stay_close_to_bf16():
     stored = (torch.randn(len(ends), n, k, device="cuda") * 0.02).bfloat16()
     w = stored.transpose(-2, -1)
     dy = torch.randn(m, n, device="cuda").bfloat16()
-    w_data, w_scale = bq.quantize_128x128(w)
-    y = blockwise_grouped_mm(*bq.quantize_1x128(x), w_data, w_scale, offs)
+    w_data, w_scale, state = cuda.weight(w)
+    y = blockwise_grouped_mm(*cuda.rows(x), w_data, w_scale, offs)
     assert sqnr(grouped_reference(x.float(), w.float(), ends, m), y) >= 23
-    dx = blockwise_grouped_mm(
-        *bq.quantize_1x128(dy), w_data.transpose(-2, -1), w_scale.transpose(-2, -1), offs
-    )
+    dx = blockwise_grouped_mm(*cuda.rows(dy), *cuda.weight_transposed(w, state), offs)
     want_dx = grouped_reference(dy.float(), w.float().transpose(-2, -1), ends, m)
     assert sqnr(want_dx, dx) >= 26
-    dw = blockwise_grouped_mm_wgrad(*bq.quantize_128x1(x), *bq.quantize_128x1(dy), offs)
+    x_data, x_scale, dy_data, dy_scale = cuda.per_group_pair(x, dy, offs)
+    blocks = m // 128
+    dw = blockwise_grouped_mm_wgrad(x_data, x_scale[:blocks], dy_data, dy_scale[:blocks], offs)
     assert sqnr(wgrad_reference(x.float(), dy.float(), ends), dw) >= 21
     assert not dw[1].any()
 

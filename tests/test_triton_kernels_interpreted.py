@@ -7,11 +7,9 @@ The interpreter is chosen when a kernel is defined, so the checks run in a fresh
 """
 
 import math
-import os
-import subprocess
-import sys
 
 import torch
+from harness.interpreted import run_interpreted
 
 # (tokens M, columns C, group ends): empty groups, rows past the last group, one group, a group
 # shorter than a tile, columns not a multiple of the tile, M below one tile, a group over more
@@ -128,17 +126,7 @@ def _check_weight_casts() -> None:
 
 
 def _run_interpreted(check: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = f"import test_triton_kernels_interpreted as t; t.{check}()"
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=os.path.dirname(__file__),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_interpreted("test_triton_kernels_interpreted", check)
 
 
 def test_per_group_colwise_kernel_in_triton_interpreter():

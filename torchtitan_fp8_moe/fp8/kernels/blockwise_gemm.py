@@ -11,11 +11,15 @@ groups along M, rows past ``offs[-1]`` belong to no group and come out 0. The ke
 on the device only (no host sync), so they run under torch.compile and CUDA graphs.
 
 - ``blockwise_grouped_mm(a, a_scale, b, b_scale, offs)``: ``y[M, N] = a[M, K] . b_g[K, N]`` for
-  the rows of group g; the forward, and the input gradient with the weight's transposed view and
+  the rows of group g; the forward, and the input gradient with the weight's transposed data and
   transposed scale (``b`` may have any strides).
 - ``blockwise_grouped_mm_wgrad(a, a_scale, g, g_scale, offs)``: ``dW_g[K, N] = a_g^T . g_g``, over
-  the tokens of group g, per 128-token block (global blocks: group starts must be 128-aligned for
-  these to be each group's own blocks); empty groups give 0.
+  the tokens of group g, per 128-token block (global blocks: group starts must be 128-aligned,
+  as they are for these to be each group's own blocks); empty groups give 0.
+Any strides work; fp8 MMA on Hopper runs about 4x faster (docs/benchmarks/archive/
+2026-12-03-registry-kernels-blockwise/) when both operands have the contraction dim contiguous:
+``a`` row-major and ``b`` with K contiguous; for the weight gradient, both token-contiguous.
+``blockwise_quantize.py`` writes them so.
 - ``blockwise_mm``, ``blockwise_mm_wgrad``: the dense (one group, no ``offs``) forms.
 CUDA only (and Triton's CPU interpreter in the tests).
 """
@@ -29,18 +33,18 @@ import triton.language as tl
 from ..opaque import compile_opaque
 from .blockwise_quantize import BLOCK, blocks
 
-# Triton's interpreter cannot benchmark, so it gets one config (with a tile that spans groups).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _configs() -> list[triton.Config]:
-    configs = [
+    """Few configs: each costs a compile (seconds on a cold machine) at the first call of a shape.
+    Triton's interpreter cannot benchmark, so it gets one (with a tile that spans groups)."""
+    if _INTERPRETED:
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=1)]
+    return [
         triton.Config({"BLOCK_M": block_m, "BLOCK_N": 128}, num_warps=warps, num_stages=stages)
-        for block_m in (64, 128)
-        for warps in (4, 8)
-        for stages in (3, 4)
+        for block_m, warps, stages in ((128, 8, 3), (128, 8, 4), (128, 4, 4), (64, 4, 4))
     ]
-    return configs[:1] if _INTERPRETED else configs
 
 
 @triton.jit
@@ -136,6 +140,35 @@ def _grouped_mm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _wgrad_step(
+    acc, a_ptr, a_scale_ptr, g_ptr, g_scale_ptr, token_block, start, end, ks, ns, k_mask, n_mask,
+    stride_am, stride_ak, stride_asm, stride_ask, stride_gm, stride_gn, stride_gsm, stride_gsn,
+    BLOCK_T: tl.constexpr, MASK_TOKENS: tl.constexpr,
+):  # fmt: skip
+    """``acc`` plus one 128-token block's ``a^T . g``, unscaled by its two rows of scales."""
+    tokens = (token_block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    a_mask = k_mask[:, None]
+    g_mask = n_mask[None, :]
+    if MASK_TOKENS:
+        # A mask that varies along the contiguous tokens stops vectorized loads: full blocks
+        # (all but a group's last) go without one.
+        token_mask = (tokens >= start) & (tokens < end)
+        a_mask = a_mask & token_mask[None, :]
+        g_mask = g_mask & token_mask[:, None]
+    a_tile = a_ptr + ks[:, None] * stride_ak + tokens[None, :] * stride_am
+    g_tile = g_ptr + tokens[:, None] * stride_gm + ns[None, :] * stride_gn
+    a = tl.load(a_tile, mask=a_mask, other=0.0)
+    g = tl.load(g_tile, mask=g_mask, other=0.0)
+    a_scale = tl.load(
+        a_scale_ptr + token_block * stride_asm + ks * stride_ask, mask=k_mask, other=1.0
+    )
+    g_scale = tl.load(
+        g_scale_ptr + token_block * stride_gsm + ns * stride_gsn, mask=n_mask, other=1.0
+    )
+    return acc + tl.dot(a, g) * ((1.0 / a_scale)[:, None] * (1.0 / g_scale)[None, :])
+
+
 @triton.autotune(configs=_configs(), key=["N", "K", "GROUPED"])
 @triton.jit
 def _wgrad_kernel(
@@ -162,7 +195,8 @@ def _wgrad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Program (tile of [K, N], group): BLOCK_M rows of K (the output's rows), BLOCK_N of N."""
+    """Program (tile of [K, N], group): BLOCK_M rows of K (the output's rows), BLOCK_N of N.
+    The group's start is a multiple of BLOCK_T, so only its last block can be partial."""
     pid_k, pid_n = _tile_of(tl.program_id(0), tl.cdiv(K, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     group = tl.program_id(1)
     if GROUPED:
@@ -175,28 +209,18 @@ def _wgrad_kernel(
     ns = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     k_mask, n_mask = ks < K, ns < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Whole global token blocks, masked to the group: each step reads one row of scales.
-    for first_token in range((start // BLOCK_T) * BLOCK_T, end, BLOCK_T):
-        tokens = (first_token + tl.arange(0, BLOCK_T)).to(tl.int64)
-        token_mask = (tokens >= start) & (tokens < end)
-        a = tl.load(
-            a_ptr + ks[:, None] * stride_ak + tokens[None, :] * stride_am,
-            mask=k_mask[:, None] & token_mask[None, :],
-            other=0.0,
-        )
-        g = tl.load(
-            g_ptr + tokens[:, None] * stride_gm + ns[None, :] * stride_gn,
-            mask=token_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
-        token_block = first_token // BLOCK_T
-        a_scale = tl.load(
-            a_scale_ptr + token_block * stride_asm + ks * stride_ask, mask=k_mask, other=1.0
-        )
-        g_scale = tl.load(
-            g_scale_ptr + token_block * stride_gsm + ns * stride_gsn, mask=n_mask, other=1.0
-        )
-        acc += tl.dot(a, g) * ((1.0 / a_scale)[:, None] * (1.0 / g_scale)[None, :])
+    for token_block in range(start // BLOCK_T, end // BLOCK_T):
+        acc = _wgrad_step(
+            acc, a_ptr, a_scale_ptr, g_ptr, g_scale_ptr, token_block, start, end, ks, ns,
+            k_mask, n_mask, stride_am, stride_ak, stride_asm, stride_ask, stride_gm, stride_gn,
+            stride_gsm, stride_gsn, BLOCK_T=BLOCK_T, MASK_TOKENS=False,
+        )  # fmt: skip
+    if (end % BLOCK_T != 0) & (end > start):
+        acc = _wgrad_step(
+            acc, a_ptr, a_scale_ptr, g_ptr, g_scale_ptr, end // BLOCK_T, start, end, ks, ns,
+            k_mask, n_mask, stride_am, stride_ak, stride_asm, stride_ask, stride_gm, stride_gn,
+            stride_gsm, stride_gsn, BLOCK_T=BLOCK_T, MASK_TOKENS=True,
+        )  # fmt: skip
     out = out_ptr + (tl.cast(group, tl.int64) * K + ks[:, None]) * N + ns[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
 

@@ -1,25 +1,30 @@
-"""Blockwise fp8 casts (DeepSeek-V3 style) in Triton, and the same rules in torch for reference.
+"""Blockwise fp8 casts (DeepSeek-V3 style) in Triton, laid out as the blockwise GEMMs read fastest.
 
-Three tilings, per the blockwise numerics contract (``BLOCK`` = 128, power-of-2 multiplier scales of
-``fp8/quantize.py``; a partial tile at a ragged edge takes its amax over the elements it has):
-- ``quantize_1x128``: ``x [M, K]`` -> 1x128 tiles along the last dim, scale ``[M, ceil(K/128)]``
-  (the activations and output gradients of the forward and input-gradient GEMMs);
-- ``quantize_128x128``: a weight ``[G, K, N]`` (any strides) -> 128x128 blocks over (K, N), scale
-  ``[G, ceil(K/128), ceil(N/128)]``; the data keeps the weight's memory order, so the transposed
-  view is the input-gradient GEMM's operand with no second cast;
-- ``quantize_128x1``: ``x [M, C]`` -> 128x1 tiles along the tokens, scale ``[ceil(M/128), C]``,
-  data column-major (tokens contiguous), as the weight-gradient GEMM reads it. The tiles are the
-  global 128-row blocks, which are each group's own blocks when group starts are 128-aligned.
-The Triton kernels are CUDA only (and run in Triton's CPU interpreter in the tests).
-``out_dtype`` other than fp8 keeps the scaled, saturated values uncast: the interpreter does not
-round to fp8 as a GPU does, so the tests check those values.
+The rules are ``fp8/blockwise_quantize.py``'s (``BLOCK`` = 128, power-of-2 multiplier scales of
+``fp8/quantize.py``; a partial tile at a ragged edge takes its amax over the elements it has), and
+the outputs are bit for bit its outputs. What differs is the memory order: fp8 tensor-core MMA on
+Hopper wants both operands with the contraction dim contiguous ("K-major"), so
+- ``quantize_1x128``: ``x [M, K]`` -> 1x128 tiles along K, data row-major, scale
+  ``[M, ceil(K/128)]`` (activations and output gradients of the forward and input gradient);
+- ``quantize_128x128``: a weight ``b [G, K, N]`` (any strides) -> 128x128 blocks, scale
+  ``[G, ceil(K/128), ceil(N/128)]``, data K contiguous (the forward contracts K); with
+  ``transposed_too`` the same read also writes ``b^T [G, N, K]`` with N contiguous (the input
+  gradient contracts N); ``quantize_128x128_transposed`` writes that one alone from given scales;
+- ``quantize_128x1``: ``x [M, C]`` -> 128x1 tiles along the tokens, data token-contiguous (strides
+  ``(1, M)``: the weight gradient contracts the tokens). The tiles are the global 128-row blocks,
+  each group's own blocks when group starts are 128-aligned (the CUDA recipe's token alignment);
+  with ``offs`` the rows past the last group quantize to 0 and take no part in an amax, and the
+  scales have the torch rules' ``M // 128 + G`` block slots.
+CUDA only (and Triton's CPU interpreter in the tests). ``out_dtype`` other than fp8 keeps the
+scaled, saturated values uncast: the interpreter does not round to fp8 as a GPU does, so the tests
+check those values.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, scales_from_amax, to_fp8
+from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
 BLOCK = 128
@@ -64,15 +69,16 @@ def _quantize_1x128_kernel(
 def _quantize_128x128_kernel(
     w_ptr,
     out_ptr,
+    out_t_ptr,
     scale_ptr,
     K,
     N,
     stride_wg,
     stride_wk,
     stride_wn,
-    stride_og,
-    stride_ok,
-    stride_on,
+    COMPUTE_SCALES: tl.constexpr,
+    WRITE_FORWARD: tl.constexpr,
+    WRITE_TRANSPOSED: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -87,12 +93,20 @@ def _quantize_128x128_kernel(
         mask=mask,
         other=0.0,
     ).to(tl.float32)
-    scale = pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), FP8_LIMIT, AMAX_FLOOR)
+    scale_at = scale_ptr + (group * tl.cdiv(K, BLOCK) + k_block) * tl.cdiv(N, BLOCK) + n_block
+    if COMPUTE_SCALES:
+        scale = pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), FP8_LIMIT, AMAX_FLOOR)
+        tl.store(scale_at, scale)
+    else:
+        scale = tl.load(scale_at)
     y = saturate(w * scale, FP8_LIMIT)
-    out = out_ptr + group * stride_og + ks[:, None] * stride_ok + ns[None, :] * stride_on
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
-    n_blocks = tl.cdiv(N, BLOCK)
-    tl.store(scale_ptr + (group * tl.cdiv(K, BLOCK) + k_block) * n_blocks + n_block, scale)
+    first = group * K * N
+    if WRITE_FORWARD:  # b [G, K, N] with K contiguous: storage [G, N, K]
+        forward = out_ptr + first + ns[None, :] * K + ks[:, None]
+        tl.store(forward, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if WRITE_TRANSPOSED:  # b^T [G, N, K] with N contiguous: storage [G, K, N]
+        transposed = out_t_ptr + first + ks[:, None] * N + ns[None, :]
+        tl.store(transposed, y.to(out_t_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -100,10 +114,13 @@ def _quantize_128x1_kernel(
     x_ptr,
     out_ptr,
     scale_ptr,
+    offs_ptr,
     M,
     C,
+    G,
     stride_xm,
     stride_xc,
+    GROUPED: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -113,14 +130,19 @@ def _quantize_128x1_kernel(
     rows = (m_block * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     cols = (tl.program_id(1) * COLS + tl.arange(0, COLS)).to(tl.int64)
     col_mask = cols < C
-    mask = (rows < M)[:, None] & col_mask[None, :]
+    # Rows past the last group's end hold no token: read as 0, so they are left out of the amax
+    # (block slots past M are all such rows, and get the scale of an amax of 0).
+    end = tl.minimum(tl.load(offs_ptr + G - 1), M) if GROUPED else M
     x = tl.load(
-        x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0
+        x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xc,
+        mask=(rows < end)[:, None] & col_mask[None, :],
+        other=0.0,
     ).to(tl.float32)
     scale = pow2_scale(tl.max(tl.abs(x), axis=0), FP8_LIMIT, AMAX_FLOOR)
     y = saturate(x * scale[None, :], FP8_LIMIT)
-    # Column-major: the tokens of a column are contiguous.
-    tl.store(out_ptr + rows[:, None] + cols[None, :] * M, y.to(out_ptr.dtype.element_ty), mask=mask)
+    # Storage [C, M]: the tokens of a column are contiguous.
+    out = out_ptr + rows[:, None] + cols[None, :] * M
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_mask[None, :])
     tl.store(scale_ptr + m_block * C + cols, scale, mask=col_mask)
 
 
@@ -147,81 +169,79 @@ def quantize_1x128(
     return out, scale
 
 
-def same_order_empty(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An empty ``[G, K, N]`` tensor with ``w``'s memory order: K-major (a transposed view of a
-    contiguous ``[G, N, K]``, as torchtitan stores experts ``[E, out, in]``) or row-major."""
-    if w.transpose(-2, -1).is_contiguous():
-        return torch.empty(w.transpose(-2, -1).shape, dtype=dtype, device=w.device).transpose(
-            -2, -1
-        )
-    return torch.empty(w.shape, dtype=dtype, device=w.device)
+def _check_weight(w: torch.Tensor) -> None:
+    if w.dim() != 3:
+        raise ValueError(f"quantize_128x128 w: expected [G, K, N], got shape {tuple(w.shape)}")
+
+
+def _empty_transposed(shape: tuple[int, int, int], dtype, device) -> torch.Tensor:
+    """``[G, R, C]`` whose dim R is contiguous (a transposed view of a contiguous [G, C, R])."""
+    groups, r, c = shape
+    return torch.empty((groups, c, r), dtype=dtype, device=device).transpose(-2, -1)
+
+
+def _cast_128x128(w, out, out_t, scale, compute_scales: bool) -> None:
+    groups, k, n = w.shape
+    if w.numel():
+        _quantize_128x128_kernel[(blocks(k), blocks(n), groups)](
+            w, out if out is not None else out_t, out_t if out_t is not None else out, scale,
+            k, n, *w.stride(),
+            COMPUTE_SCALES=compute_scales, WRITE_FORWARD=out is not None,
+            WRITE_TRANSPOSED=out_t is not None,
+            FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK=BLOCK, num_warps=8,
+        )  # fmt: skip
 
 
 def quantize_128x128(
-    w: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [G, K, N]`` (any strides) -> data ``[G, K, N]`` in ``w``'s memory order (see
-    ``same_order_empty``) and fp32 scales ``[G, ceil(K/128), ceil(N/128)]``, one per block."""
-    if w.dim() != 3:
-        raise ValueError(f"quantize_128x128 w: expected [G, K, N], got shape {tuple(w.shape)}")
+    w: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE, transposed_too: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``w [G, K, N]`` (any strides) -> data ``[G, K, N]`` with K contiguous, fp32 scales
+    ``[G, ceil(K/128), ceil(N/128)]``, and (``transposed_too``, from the same read) the data of
+    ``w^T [G, N, K]`` with N contiguous, else None."""
+    _check_weight(w)
     groups, k, n = w.shape
-    out = same_order_empty(w, out_dtype)
+    out = _empty_transposed((groups, k, n), out_dtype, w.device)
+    out_t = _empty_transposed((groups, n, k), out_dtype, w.device) if transposed_too else None
     scale = torch.empty((groups, blocks(k), blocks(n)), dtype=torch.float32, device=w.device)
-    if w.numel():
-        _quantize_128x128_kernel[(blocks(k), blocks(n), groups)](
-            w, out, scale, k, n, *w.stride(), *out.stride(),
-            FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK=BLOCK, num_warps=8,
-        )  # fmt: skip
-    return out, scale
+    _cast_128x128(w, out, None if out_t is None else out_t.transpose(-2, -1), scale, True)
+    return out, scale, out_t
+
+
+def quantize_128x128_transposed(
+    w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+) -> torch.Tensor:
+    """The data of ``w^T [G, N, K]`` with N contiguous, cast by ``w``'s block scales ``scale``
+    (``quantize_128x128``'s): its forward data transposed, bit for bit."""
+    _check_weight(w)
+    groups, k, n = w.shape
+    if scale.shape != (groups, blocks(k), blocks(n)) or scale.dtype != torch.float32:
+        raise ValueError(
+            f"quantize_128x128_transposed scale: expected float32 {(groups, blocks(k), blocks(n))}"
+            f", got {scale.dtype} {tuple(scale.shape)}"
+        )
+    out_t = _empty_transposed((groups, n, k), out_dtype, w.device)
+    _cast_128x128(w, None, out_t.transpose(-2, -1), scale.contiguous(), False)
+    return out_t
 
 
 def quantize_128x1(
-    x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+    x: torch.Tensor, offs: torch.Tensor | None = None, out_dtype: torch.dtype = FP8_DTYPE
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, C]`` (any strides) -> data ``[M, C]`` column-major (strides ``(1, M)``) and fp32
-    scales ``[ceil(M/128), C]``, one per 128x1 tile of the global 128-row blocks."""
+    """``x [M, C]`` (any strides) -> data ``[M, C]`` token-contiguous (strides ``(1, M)``) and
+    fp32 scales, one per 128x1 tile of the global 128-row blocks: ``[ceil(M/128), C]``, or with
+    ``offs`` (int32 group ends, group starts 128-aligned) ``[M // 128 + G, C]``, rows past the
+    last group 0."""
     _check_2d("quantize_128x1 x", x)
     m, c = x.shape
+    slots = blocks(m) if offs is None else m // BLOCK + offs.shape[0]
     out = torch.empty((c, m), dtype=out_dtype, device=x.device).t()
-    scale = torch.empty((blocks(m), c), dtype=torch.float32, device=x.device)
-    if x.numel():
-        grid = (blocks(m), triton.cdiv(c, TILES_PER_PROGRAM))
+    scale = torch.empty((slots, c), dtype=torch.float32, device=x.device)
+    if scale.numel():
+        grid = (slots, triton.cdiv(c, TILES_PER_PROGRAM))
         _quantize_128x1_kernel[grid](
-            x, out, scale, m, c, x.stride(0), x.stride(1),
-            FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK=BLOCK, COLS=TILES_PER_PROGRAM,
+            x, out, scale, scale if offs is None else offs, m, c,
+            1 if offs is None else offs.shape[0], x.stride(0), x.stride(1),
+            GROUPED=offs is not None, FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK=BLOCK,
+            COLS=TILES_PER_PROGRAM,
         )  # fmt: skip
     return out, scale
-
-
-# The same rules in torch: the references the kernels are tested against.
-def _padded_blocks(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """|x| as float32, zero-padded along ``dim`` to whole 128 blocks (zeros leave an amax as is)."""
-    pad = blocks(x.shape[dim]) * BLOCK - x.shape[dim]
-    magnitude = x.detach().float().abs().movedim(dim, -1)
-    return torch.nn.functional.pad(magnitude, (0, pad)).movedim(-1, dim)
-
-
-def quantize_1x128_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_1x128`` in torch: fp8 ``[M, K]`` and scales ``[M, ceil(K/128)]``."""
-    m, k = x.shape
-    amax = _padded_blocks(x, 1).view(m, blocks(k), BLOCK).amax(-1)
-    scale = scales_from_amax(amax)
-    return to_fp8(x, scale.repeat_interleave(BLOCK, 1)[:, :k]), scale
-
-
-def quantize_128x128_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_128x128`` in torch: fp8 ``[G, K, N]`` and its block scales."""
-    groups, k, n = w.shape
-    padded = _padded_blocks(_padded_blocks(w, 1), 2)
-    amax = padded.view(groups, blocks(k), BLOCK, blocks(n), BLOCK).amax((2, 4))
-    scale = scales_from_amax(amax)
-    full = scale.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :k, :n]
-    return to_fp8(w, full), scale
-
-
-def quantize_128x1_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_128x1`` in torch: fp8 ``[M, C]`` and scales ``[ceil(M/128), C]``."""
-    m, c = x.shape
-    amax = _padded_blocks(x, 0).view(blocks(m), BLOCK, c).amax(1)
-    scale = scales_from_amax(amax)
-    return to_fp8(x, scale.repeat_interleave(BLOCK, 0)[:m]), scale

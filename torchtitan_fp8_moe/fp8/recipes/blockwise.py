@@ -6,8 +6,9 @@
 
 An outlier spoils the scale of its 128-element tile or block, not of a whole row or expert
 column, so the recipe keeps more precision on data with outlier blocks (tests/test_blockwise.py).
-Quantizers: ``fp8/blockwise_quantize.py`` (plain torch ops, any device). GEMMs: the exact
-emulation of ``fp8/gemm.py``; on CUDA, the blockwise kernels of
+Quantizers: ``fp8/blockwise_quantize.py`` (plain torch ops, any device; emulated) and
+``fp8/blockwise_triton_quantize.py`` (CUDA: the same values, laid out with each GEMM's contraction
+dim contiguous). GEMMs: the exact emulation of ``fp8/gemm.py``; on CUDA, the blockwise kernels of
 ``fp8/kernels/blockwise_gemm.py`` (``_cuda_kernels``).
 """
 
@@ -31,7 +32,11 @@ class BlockwiseRecipe(Recipe):
     description = "fp8 blockwise (1x128 activations, 128x128 weights)"
 
     def quantizers(self, emulate: bool) -> ModuleType:
-        return blockwise_quantize
+        if emulate:
+            return blockwise_quantize
+        from .. import blockwise_triton_quantize  # Triton kernels: CUDA only
+
+        return blockwise_triton_quantize
 
     def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate):
         """``a [M, K]`` (scales ``[M, ceil(K/128)]``) times ``b [G, K, N]`` (scales

@@ -1,0 +1,32 @@
+"""Runs a test module's check function in Triton's CPU interpreter.
+
+The interpreter is chosen when a kernel is defined (at import), so a check runs in a fresh
+process with ``TRITON_INTERPRET=1``; its failure fails the calling test with the process's
+stderr. The process imports the package from this checkout (an editable install of another
+worktree would otherwise win in a process started outside pytest's rootdir)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+REPO_ROOT = TESTS_DIR.parent
+
+
+def run_interpreted(module: str, check: str, timeout_s: int = 600) -> None:
+    """``module.check()`` (a module of tests/) in a fresh interpreted process."""
+    result = subprocess.run(
+        [sys.executable, "-c", f"import {module} as t; t.{check}()"],
+        cwd=TESTS_DIR,
+        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=_python_path()),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _python_path() -> str:
+    inherited = os.environ.get("PYTHONPATH")
+    return str(REPO_ROOT) if not inherited else f"{REPO_ROOT}{os.pathsep}{inherited}"
