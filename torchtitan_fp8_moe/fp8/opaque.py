@@ -1,4 +1,11 @@
-"""Our kernels as custom ops under torch.compile, plain calls in eager mode."""
+"""Our kernels as torch ops under torch.compile, plain calls in eager mode.
+
+Eager calls on plain tensors run the implementation itself: a custom op's dispatch costs about
+0.2 ms of host time per call, and a routed projection's forward and backward make five calls,
+more host time than its kernels take on an H200 under tensor parallelism
+(docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time/). Meta tensors (pipeline shape
+inference), fake tensors and other subclasses go through the op, which has their rules.
+"""
 
 import functools
 from collections.abc import Callable
@@ -8,17 +15,25 @@ import torch
 
 def compile_opaque(name: str, fn: Callable, fake: Callable) -> Callable:
     """``fn`` registered as the custom op ``torchtitan_fp8_moe::<name>`` with ``fake`` as its
-    shape rule, so that torch.compile calls it as one opaque node instead of tracing into a
-    Triton launch (or a grouped mm whose shape rule takes bf16 only). Eager calls on plain
-    tensors run ``fn`` itself: the custom op's dispatch costs about 0.2 ms of host time per call,
-    and a routed projection's forward and backward make five calls, more host time than its
-    kernels take on an H200 under tensor parallelism
-    (docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time/).
-    Meta tensors (pipeline shape inference), fake tensors and other subclasses go through the op,
-    which has their rules."""
+    shape rule, so that torch.compile calls it as one opaque node instead of tracing into it (a
+    grouped mm whose shape rule takes bf16 only)."""
     op = torch.library.custom_op(f"torchtitan_fp8_moe::{name}", fn, mutates_args=())
     op.register_fake(fake)
+    return _eager_or_op(fn, op)
 
+
+def compile_triton(name: str, fn: Callable) -> Callable:
+    """``fn``, which launches its Triton kernels through ``torch.library.wrap_triton``, as the
+    triton op ``torchtitan_fp8_moe::<name>``: torch.compile traces into it and inductor launches
+    the kernels from its generated code. As an opaque custom op, each call paid the op's
+    dispatch and Triton's Python launcher in compiled code too: float8_moe took 10.6 ms of host
+    time per compiled layer call at the Scout preset's TP 8 shapes against bf16's 3.5 ms
+    (docs/benchmarks/presets/). The op's shape rule is ``fn`` run on fake tensors."""
+    op = torch.library.triton_op(f"torchtitan_fp8_moe::{name}", fn, mutates_args=())
+    return _eager_or_op(fn, op)
+
+
+def _eager_or_op(fn: Callable, op: Callable) -> Callable:
     @functools.wraps(fn)
     def call(*args):
         if torch.compiler.is_compiling() or not all(_plain(a) for a in args):

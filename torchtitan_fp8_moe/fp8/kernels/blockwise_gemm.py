@@ -29,8 +29,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
-from ..opaque import compile_opaque
+from ..opaque import compile_triton
 from .blockwise_quantize import BLOCK, blocks
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -264,17 +265,13 @@ def _grouped_mm(
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _grouped_mm_kernel[grid](
+    wrap_triton(_grouped_mm_kernel)[grid](
         a, a_scale, b, b_scale, a_scale if offs is None else offs, out,
         m, n, k, groups, *a.stride(), *a_scale.stride(), *b.stride(), *b_scale.stride(),
         GROUPED=offs is not None, BLOCK_G=triton.next_power_of_2(groups), BLOCK_K=BLOCK,
         GROUP_M=8,
     )  # fmt: skip
     return out
-
-
-def _grouped_mm_fake(a, a_scale, b, b_scale, offs, out_dtype):
-    return torch.empty((a.shape[0], b.shape[-1]), dtype=out_dtype, device=a.device)
 
 
 def _wgrad(
@@ -301,7 +298,7 @@ def _wgrad(
     def grid(meta):
         return (triton.cdiv(k, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), groups)
 
-    _wgrad_kernel[grid](
+    wrap_triton(_wgrad_kernel)[grid](
         a, a_scale, g, g_scale, a_scale if offs is None else offs, out,
         m, k, n, *a.stride(), *a_scale.stride(), *g.stride(), *g_scale.stride(),
         GROUPED=offs is not None, BLOCK_T=BLOCK, GROUP_M=8,
@@ -309,13 +306,8 @@ def _wgrad(
     return out
 
 
-def _wgrad_fake(a, a_scale, g, g_scale, offs, out_dtype):
-    groups = 1 if offs is None else offs.shape[0]
-    return torch.empty((groups, a.shape[1], g.shape[1]), dtype=out_dtype, device=a.device)
-
-
-_grouped_mm_op = compile_opaque("blockwise_grouped_mm", _grouped_mm, _grouped_mm_fake)
-_wgrad_op = compile_opaque("blockwise_grouped_mm_wgrad", _wgrad, _wgrad_fake)
+_grouped_mm_op = compile_triton("blockwise_grouped_mm", _grouped_mm)
+_wgrad_op = compile_triton("blockwise_grouped_mm_wgrad", _wgrad)
 
 
 def blockwise_grouped_mm(

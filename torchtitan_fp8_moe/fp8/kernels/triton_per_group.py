@@ -23,8 +23,9 @@ check-ep-tp/); ours compiles once per dtype and takes any M.
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
-from ..opaque import compile_opaque
+from ..opaque import compile_triton
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -354,7 +355,7 @@ def cast_per_group_colwise_pair(
     limits = dict(FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, num_warps=NUM_WARPS)
     tile = dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
     if chunk_rows == 0:
-        _per_group_whole_kernel[(col_blocks, groups)](
+        wrap_triton(_per_group_whole_kernel)[(col_blocks, groups)](
             a, grad, a_out, grad_out, a_scales, grad_scales, offs, n_rows, a_cols, grad_cols,
             a_col_blocks, **limits, **tile,
         )  # fmt: skip
@@ -364,11 +365,11 @@ def cast_per_group_colwise_pair(
     a_amax, grad_amax = amax_bits[: groups * a_cols], amax_bits[groups * a_cols :]
     # At least one chunk: the cast launch's first chunk writes every group's scales.
     grid = (col_blocks, max(1, triton.cdiv(n_rows, chunk_rows)))
-    _per_group_amax_kernel[grid](
+    wrap_triton(_per_group_amax_kernel)[grid](
         a, grad, a_amax, grad_amax, offs, a_cols, grad_cols, a_col_blocks, groups, chunk_rows,
         num_warps=NUM_WARPS, BLOCK_GROUPS=BLOCK_GROUPS, **tile,
     )  # fmt: skip
-    _per_group_cast_kernel[grid](
+    wrap_triton(_per_group_cast_kernel)[grid](
         a, grad, a_out, grad_out, a_amax, grad_amax, a_scales, grad_scales, offs, n_rows,
         a_cols, grad_cols, a_col_blocks, groups, chunk_rows, BLOCK_GROUPS=BLOCK_GROUPS,
         **limits, **tile,
@@ -390,16 +391,5 @@ def _colwise_fp8(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, tor
     return cast_per_group_colwise_pair(x[:, :0], x, offs)[2:]
 
 
-def _colwise_fp8_fake(x: torch.Tensor, offs: torch.Tensor):
-    data = x.new_empty((x.shape[1], x.shape[0]), dtype=FP8_DTYPE).t()
-    return data, x.new_empty((offs.shape[0], x.shape[1]), dtype=torch.float32)
-
-
-def _colwise_fp8_pair_fake(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
-    return (*_colwise_fp8_fake(a, offs), *_colwise_fp8_fake(grad, offs))
-
-
-per_group_colwise_fp8_pair = compile_opaque(
-    "per_group_colwise_fp8_pair", _colwise_fp8_pair, _colwise_fp8_pair_fake
-)
-per_group_colwise_fp8 = compile_opaque("per_group_colwise_fp8", _colwise_fp8, _colwise_fp8_fake)
+per_group_colwise_fp8_pair = compile_triton("per_group_colwise_fp8_pair", _colwise_fp8_pair)
+per_group_colwise_fp8 = compile_triton("per_group_colwise_fp8", _colwise_fp8)

@@ -18,8 +18,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
-from ..opaque import compile_opaque
+from ..opaque import compile_triton
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -122,7 +123,7 @@ def cast_rows(
         if column_amax:
             tile_rows, row_tiles = max(1, min(TILE_ROWS, MAX_TILE // block)), ROW_TILES
         grid = (triton.cdiv(n_rows, tile_rows * row_tiles), groups)
-        _rowwise_fp8_kernel[grid](
+        wrap_triton(_rowwise_fp8_kernel)[grid](
             x,
             out,
             scales,
@@ -147,13 +148,6 @@ def _rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out.view(x.shape), scales.view(*x.shape[:-1], 1)
 
 
-def _rowwise_fp8_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (
-        torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-        torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device),
-    )
-
-
 def _rowwise_fp8_with_column_amax(
     x: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,20 +156,7 @@ def _rowwise_fp8_with_column_amax(
     return cast_rows(x, column_amax=True)
 
 
-def _rowwise_fp8_with_column_amax_fake(
-    x: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, n_rows, n_cols = x.shape
-    return (
-        torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-        torch.empty((groups, n_rows, 1), dtype=torch.float32, device=x.device),
-        torch.empty((groups, n_cols), dtype=torch.float32, device=x.device),
-    )
-
-
-rowwise_fp8 = compile_opaque("rowwise_fp8", _rowwise_fp8, _rowwise_fp8_fake)
-rowwise_fp8_with_column_amax = compile_opaque(
-    "rowwise_fp8_with_column_amax",
-    _rowwise_fp8_with_column_amax,
-    _rowwise_fp8_with_column_amax_fake,
+rowwise_fp8 = compile_triton("rowwise_fp8", _rowwise_fp8)
+rowwise_fp8_with_column_amax = compile_triton(
+    "rowwise_fp8_with_column_amax", _rowwise_fp8_with_column_amax
 )

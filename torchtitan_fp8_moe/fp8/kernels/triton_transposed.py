@@ -11,8 +11,9 @@ weight on an H200 (docs/benchmarks/archive/2026-11-30-per-group-kernel/). Same r
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
-from ..opaque import compile_opaque
+from ..opaque import compile_triton
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -69,7 +70,7 @@ def cast_transposed(
     scales = torch.empty((groups, n_k), dtype=torch.float32, device=b.device)
     if b.numel():
         grid = (triton.cdiv(n_k, BLOCK_K), triton.cdiv(n_n, BLOCK_N), groups)
-        _transposed_fp8_kernel[grid](
+        wrap_triton(_transposed_fp8_kernel)[grid](
             b,
             amax_over_n.contiguous(),
             out,
@@ -94,12 +95,4 @@ def _transposed_fp8(
     return cast_transposed(b, amax_over_n)
 
 
-def _transposed_fp8_fake(
-    b: torch.Tensor, amax_over_n: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    groups, n_k, n_n = b.shape
-    data = b.new_empty((groups, n_k, n_n), dtype=FP8_DTYPE).transpose(-2, -1)
-    return data, b.new_empty((groups, n_k), dtype=torch.float32)
-
-
-transposed_fp8 = compile_opaque("transposed_fp8", _transposed_fp8, _transposed_fp8_fake)
+transposed_fp8 = compile_triton("transposed_fp8", _transposed_fp8)
