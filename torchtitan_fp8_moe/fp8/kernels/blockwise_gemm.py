@@ -29,9 +29,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from ..opaque import compile_triton
+from ..opaque import compile_triton, launcher
 from .blockwise_quantize import BLOCK, blocks
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -265,7 +264,7 @@ def _grouped_mm(
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    wrap_triton(_grouped_mm_kernel)[grid](
+    launcher(_grouped_mm_kernel, a)[grid](
         a, a_scale, b, b_scale, a_scale if offs is None else offs, out,
         m, n, k, groups, *a.stride(), *a_scale.stride(), *b.stride(), *b_scale.stride(),
         GROUPED=offs is not None, BLOCK_G=triton.next_power_of_2(groups), BLOCK_K=BLOCK,
@@ -298,7 +297,7 @@ def _wgrad(
     def grid(meta):
         return (triton.cdiv(k, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), groups)
 
-    wrap_triton(_wgrad_kernel)[grid](
+    launcher(_wgrad_kernel, a)[grid](
         a, a_scale, g, g_scale, a_scale if offs is None else offs, out,
         m, k, n, *a.stride(), *a_scale.stride(), *g.stride(), *g_scale.stride(),
         GROUPED=offs is not None, BLOCK_T=BLOCK, GROUP_M=8,

@@ -23,9 +23,8 @@ check-ep-tp/); ours compiles once per dtype and takes any M.
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from ..opaque import compile_triton
+from ..opaque import compile_triton, launcher
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -355,7 +354,7 @@ def cast_per_group_colwise_pair(
     limits = dict(FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, num_warps=NUM_WARPS)
     tile = dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
     if chunk_rows == 0:
-        wrap_triton(_per_group_whole_kernel)[(col_blocks, groups)](
+        launcher(_per_group_whole_kernel, a)[(col_blocks, groups)](
             a, grad, a_out, grad_out, a_scales, grad_scales, offs, n_rows, a_cols, grad_cols,
             a_col_blocks, **limits, **tile,
         )  # fmt: skip
@@ -365,11 +364,11 @@ def cast_per_group_colwise_pair(
     a_amax, grad_amax = amax_bits[: groups * a_cols], amax_bits[groups * a_cols :]
     # At least one chunk: the cast launch's first chunk writes every group's scales.
     grid = (col_blocks, max(1, triton.cdiv(n_rows, chunk_rows)))
-    wrap_triton(_per_group_amax_kernel)[grid](
+    launcher(_per_group_amax_kernel, a)[grid](
         a, grad, a_amax, grad_amax, offs, a_cols, grad_cols, a_col_blocks, groups, chunk_rows,
         num_warps=NUM_WARPS, BLOCK_GROUPS=BLOCK_GROUPS, **tile,
     )  # fmt: skip
-    wrap_triton(_per_group_cast_kernel)[grid](
+    launcher(_per_group_cast_kernel, a)[grid](
         a, grad, a_out, grad_out, a_amax, grad_amax, a_scales, grad_scales, offs, n_rows,
         a_cols, grad_cols, a_col_blocks, groups, chunk_rows, BLOCK_GROUPS=BLOCK_GROUPS,
         **limits, **tile,

@@ -18,9 +18,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from ..opaque import compile_triton
+from ..opaque import compile_triton, launcher
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -123,7 +122,7 @@ def cast_rows(
         if column_amax:
             tile_rows, row_tiles = max(1, min(TILE_ROWS, MAX_TILE // block)), ROW_TILES
         grid = (triton.cdiv(n_rows, tile_rows * row_tiles), groups)
-        wrap_triton(_rowwise_fp8_kernel)[grid](
+        launcher(_rowwise_fp8_kernel, x)[grid](
             x,
             out,
             scales,

@@ -11,9 +11,8 @@ weight on an H200 (docs/benchmarks/archive/2026-11-30-per-group-kernel/). Same r
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from ..opaque import compile_triton
+from ..opaque import compile_triton, launcher
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -70,7 +69,7 @@ def cast_transposed(
     scales = torch.empty((groups, n_k), dtype=torch.float32, device=b.device)
     if b.numel():
         grid = (triton.cdiv(n_k, BLOCK_K), triton.cdiv(n_n, BLOCK_N), groups)
-        wrap_triton(_transposed_fp8_kernel)[grid](
+        launcher(_transposed_fp8_kernel, b)[grid](
             b,
             amax_over_n.contiguous(),
             out,
