@@ -19,7 +19,8 @@ from pathlib import Path
 # template arguments; cuBLAS's nvjet kernels for scaled fp8 inputs carry "qq" and "ovscale".
 FAMILIES = [
     ("fp8 GEMM", re.compile(r"e4m3|f8f8|_scaled_mm|nvjet_\w*qq|ovscale", re.I)),
-    ("float8_moe cast", re.compile(r"_rowwise_fp8|_per_group_|_transposed_fp8")),
+    # Our kernels' names exactly: torchao's cast kernels contain "_per_group_" too.
+    ("float8_moe cast", re.compile(r"_rowwise_fp8|_per_group_(whole|amax|cast)|_transposed_fp8")),
     ("torchao cast", re.compile(r"triton_fp8|_fp8_rowwise|_fp8_colwise|fp8_per_group", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("NCCL", re.compile(r"nccl", re.I)),

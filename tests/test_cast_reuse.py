@@ -18,6 +18,14 @@ DEVICES = ["cpu"] + (
 )
 
 
+@pytest.fixture(autouse=True)
+def empty_slot():
+    """Each test starts and ends with nothing kept."""
+    cast_reuse.take(None, torch.empty(0))
+    yield
+    cast_reuse.take(None, torch.empty(0))
+
+
 def _weights(device, emulate):
     torch.manual_seed(0)
     shapes = ((EXPERTS, HIDDEN, DIM), (EXPERTS, DIM, HIDDEN), (EXPERTS, HIDDEN, DIM))
@@ -55,7 +63,15 @@ def test_expert_ffn_casts_the_routed_tokens_once(device, monkeypatch):
     out = _run_experts_grouped_mm(*converted, x_fp8, counts)
     # Forward: x once for w1 and w3, then SiLU(x w1) * (x w3) for w2.
     assert [t.shape[1] for t in row_casts] == [DIM, HIDDEN]
+    if device == "cuda":
+        from torchtitan_fp8_moe.fp8 import triton_quantize
+
+        pairs = _counting(monkeypatch, triton_quantize, "per_group_colwise_fp8_pair")
+        singles = _counting(monkeypatch, triton_quantize, "per_group_colwise_fp8")
     out.backward(grad)
+    if device == "cuda":
+        # w2's and w3's weight gradients cast their token pairs; w1's reuses w3's cast of x.
+        assert [t.shape[1] for t in pairs] == [HIDDEN, DIM] and len(singles) == 1
 
     # The same expert FFN with w3 given its own copy of x: two casts, same bytes.
     x_twice = x.clone().requires_grad_()
@@ -107,10 +123,13 @@ def test_the_slot_holds_one_cast_and_only_keepable_tensors():
     offs = torch.tensor([3])
     cast_reuse.keep(cast, a, (offs,), "a's")
     assert cast_reuse.take(cast, a, torch.tensor([3])) is None  # other offsets object
-    assert cast_reuse.take(cast, a) is None  # other inputs
+    assert cast_reuse.take(cast, a, offs) is None  # the miss emptied the slot
+    cast_reuse.keep(cast, a, (offs,), "a's")
     cast_reuse.keep(cast, b, (offs,), "b's")  # replaces a's
     assert cast_reuse.take(cast, a, offs) is None
+    cast_reuse.keep(cast, b, (offs,), "b's")
     assert cast_reuse.take(cast, b, offs) == "b's"
+    assert cast_reuse.take(cast, b, offs) is None  # a hit empties it too
     with torch.inference_mode():
         c = torch.ones(3)
     assert cast_reuse.cast_once(cast, c) is not None
@@ -120,3 +139,23 @@ def test_the_slot_holds_one_cast_and_only_keepable_tensors():
     del d  # a freed tensor's cast is never handed to a new one at its address
     e = torch.ones(3)
     assert cast_reuse.take(cast, e) is None
+
+
+def test_views_of_the_same_memory_share_a_cast_and_other_memory_does_not():
+    """A linear expert reshapes its input on every call: two views of one tensor with the same
+    memory layout are the same values; another layout, or a write through any view, is not."""
+
+    def cast(t):
+        return t * 2
+
+    x = torch.randn(2, 4, 6)
+    cast_reuse.keep(cast, x.reshape(-1, 6), (), "x's")
+    assert cast_reuse.take(cast, x.reshape(-1, 6)) == "x's"
+    cast_reuse.keep(cast, x.reshape(-1, 6), (), "x's")
+    assert cast_reuse.take(cast, x[:1].reshape(-1, 6)) is None  # fewer rows
+    cast_reuse.keep(cast, x.reshape(-1, 6), (), "x's")
+    x[1].mul_(3)  # through another view: the version counter is shared
+    assert cast_reuse.take(cast, x.reshape(-1, 6)) is None
+    cast_reuse.keep(cast, x, (), "x's")
+    x.data = torch.randn(5, 6)  # a new tensor behind the same object: another layout
+    assert cast_reuse.take(cast, x) is None

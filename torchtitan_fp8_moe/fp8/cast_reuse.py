@@ -1,59 +1,80 @@
-"""An activation's fp8 cast, kept for the next GEMM that casts the same tensor the same way.
+"""An activation's fp8 cast, kept for the next GEMM that casts the same values the same way.
 
-torchtitan's experts multiply the same routed tokens by w1 and by w3, so the forward casts them
-twice with the same rule, and the two weight gradients cast them per group twice in backward
-(the w3 backward, then SiLU's, then w1's). One slot holds the last cast: a call that casts the
-same tensor object, unchanged since (its version counter), with the same cast and the same other
-inputs (by identity) takes it, and a hit empties the slot. Any other eager cast replaces it, so
-the slot never holds more than one activation's fp8 copy, and only until the next cast.
+torchtitan's experts multiply the same tokens by w1 and by w3, so the forward casts them twice
+with the same rule, and the two weight gradients cast them per group twice in backward (the w3
+backward, then SiLU's, then w1's). One slot per thread holds the last cast. The next call takes
+it if it casts the same memory (same tensor or view of the same base, data pointer, shape,
+strides, dtype), unchanged since (the version counter, which views share), with the same cast
+function and the same other inputs (by identity); every take empties the slot, hit or miss, so
+the slot holds at most one activation's fp8 copy, until the next cast that looks in it. Writes
+that bypass the version counter (through ``x.data`` or raw pointers) are not seen: do not make
+them between two expert GEMMs.
 
-Eager only: under torch.compile the graph dedupes equal casts itself, and a Python side table
-would break the graph. Inference tensors (no version counter) and tensor subclasses are never
-kept.
+Eager only: a Python side table would break a compiled graph, so compiled code casts every time.
+Inference tensors (no version counter) and tensor subclasses are never kept.
 """
 
+import operator
+import threading
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-_slot: tuple | None = None  # (cast, weakref to x, x's version, other inputs, result)
+
+class _Kept(NamedTuple):
+    cast: Callable
+    base: weakref.ref  # the tensor x views (or x): its memory stays x's while it lives
+    layout: tuple
+    version: int
+    others: tuple
+    result: object
+
+
+# Per thread: torchtitan's DualPipeV schedule runs forward and backward in two threads.
+_local = threading.local()
 
 
 def _keepable(x: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and type(x) is torch.Tensor and not x.is_inference()
 
 
+def _base(x: torch.Tensor) -> torch.Tensor:
+    return x if x._base is None else x._base
+
+
+def _layout(x: torch.Tensor) -> tuple:
+    return (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+
+
 def take(cast: Callable, x: torch.Tensor, *others: torch.Tensor):
-    """The kept result of ``cast`` on ``x`` (and ``others``), emptying the slot; else None."""
-    global _slot
-    # _keepable first: compiled code must not read (and so guard on) the slot.
-    if not _keepable(x) or _slot is None:
+    """The kept result of ``cast`` on ``x`` (and ``others``), else None; empties the slot."""
+    # _keepable first: compiled code must not read the slot.
+    if not _keepable(x):
         return None
-    kept_cast, source, version, kept_others, result = _slot
+    kept, _local.kept = getattr(_local, "kept", None), None
     if (
-        kept_cast is cast
-        and source() is x
-        and version == x._version
-        and len(kept_others) == len(others)
-        and all(a is b for a, b in zip(kept_others, others, strict=True))
+        kept is not None
+        and kept.cast is cast
+        and kept.base() is _base(x)
+        and kept.layout == _layout(x)
+        and kept.version == x._version
+        and len(kept.others) == len(others)
+        and all(map(operator.is_, kept.others, others))
     ):
-        _slot = None
-        return result
+        return kept.result
     return None
 
 
 def keep(cast: Callable, x: torch.Tensor, others: tuple, result) -> None:
     """Keep ``result``, the output of ``cast`` on ``x`` and ``others``, for the next ``take``."""
-    global _slot
     if _keepable(x):
-        _slot = (cast, weakref.ref(x), x._version, others, result)
+        _local.kept = _Kept(cast, weakref.ref(_base(x)), _layout(x), x._version, others, result)
 
 
 def cast_once(cast: Callable, x: torch.Tensor):
-    """``cast(x)``, or its kept result for this ``x``."""
-    if not _keepable(x):
-        return cast(x)
+    """``cast(x)``, or its kept result for these values."""
     result = take(cast, x)
     if result is None:
         result = cast(x)

@@ -14,10 +14,13 @@ Two ways to split the work, by how many programs one per (column block, group) w
   shapes (docs/benchmarks/presets/). Then programs take chunks of rows, which may span groups or
   split one: each chunk's column amaxes go to a zeroed buffer by atomic max, and a second launch
   casts with the finished scales (reading the tokens again from memory).
-Both tensors of the pair share each launch. No
-autotuning: torchao 0.18's kernel re-tunes 36 configurations for every new token count, which
-made expert-parallel steps 20x slower than bf16 (docs/benchmarks/archive/2026-11-30-deepseek-
-check-ep-tp/); ours compiles once per dtype and takes any M.
+Both tensors of the pair share each launch.
+
+No autotuning: torchao 0.18's kernel re-tunes 36 configurations for every new token count, which
+made expert-parallel steps 20x slower than bf16
+(docs/benchmarks/archive/2026-11-30-deepseek-check-ep-tp/); ours compiles once per dtype and
+takes any M. A column's amax skips NaN (``tl.max``), so a NaN stays in its own element and
+its column's other values keep a finite scale.
 """
 
 import torch
@@ -135,8 +138,8 @@ def _chunk_amax(
     for group in range(first_group, last_group + 1):
         start, end = _rows_of(group, chunk_start, chunk_end, offs_ptr)
         amax = _column_amax(x_ptr, start, end, cols, col_mask, n_cols, BLOCK_ROWS, BLOCK_COLS)
-        # A non-negative float's bits order as the float does (a NaN's above +inf), so an
-        # integer atomic max is a float max for every GPU and Triton version.
+        # A non-negative float's bits order as the float does, so an integer atomic max is a
+        # float max for every GPU and Triton version.
         tl.atomic_max(
             amax_bits_ptr + group * n_cols + cols,
             amax.to(tl.int32, bitcast=True),
@@ -321,7 +324,8 @@ def chunk_rows_for(n_rows: int, groups: int, col_blocks: int) -> int:
     if groups * col_blocks >= TARGET_PROGRAMS:
         return 0
     rows = triton.cdiv(n_rows * col_blocks, TARGET_PROGRAMS)
-    return max(BLOCK_ROWS, triton.cdiv(rows, BLOCK_ROWS) * BLOCK_ROWS)
+    # sym_max: under torch.compile the token count may be symbolic (no guard on it).
+    return torch.sym_max(BLOCK_ROWS, triton.cdiv(rows, BLOCK_ROWS) * BLOCK_ROWS)
 
 
 def cast_per_group_colwise_pair(
@@ -363,7 +367,7 @@ def cast_per_group_colwise_pair(
     amax_bits = torch.zeros(groups * (a_cols + grad_cols), dtype=torch.int32, device=a.device)
     a_amax, grad_amax = amax_bits[: groups * a_cols], amax_bits[groups * a_cols :]
     # At least one chunk: the cast launch's first chunk writes every group's scales.
-    grid = (col_blocks, max(1, triton.cdiv(n_rows, chunk_rows)))
+    grid = (col_blocks, torch.sym_max(1, triton.cdiv(n_rows, chunk_rows)))
     launcher(_per_group_amax_kernel, a)[grid](
         a, grad, a_amax, grad_amax, offs, a_cols, grad_cols, a_col_blocks, groups, chunk_rows,
         num_warps=NUM_WARPS, BLOCK_GROUPS=BLOCK_GROUPS, **tile,
