@@ -83,6 +83,18 @@ def test_scout_preset_tp8_etp8_stays_bf16_and_always_forces_fp8(compiled):
     assert all(row.fp8 and row.path == "cuda" for row in forced)
 
 
+def test_auto_converts_every_weight_under_a_recipe_without_a_cost_model():
+    """The cost model is rowwise's: under recipe "blockwise" auto cannot weigh speed, so it
+    converts what the user selected (where rowwise would stay bf16) and the plan says why."""
+    dims = _parallel_dims(64, tp=8, etp=8)
+    plan = convert(_scout(), emulate=False, tokens=16384, parallel_dims=dims, recipe="blockwise")
+    assert len(plan) == 6
+    assert all(
+        row.fp8 and row.path == "cuda (auto: no cost model for blockwise, converted)"
+        for row in plan
+    )
+
+
 def test_auto_keeps_a_weight_bf16_where_tensor_parallelism_splits_it_unevenly():
     """TP 3 splits Scout's 8192-wide hidden dim 2731/2731/2730: torchtitan runs that in bf16,
     so auto keeps those weights bf16 and says why (the shared expert would otherwise pay at 16K

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from .fp8.recipes import Recipe
 from .policy import POLICIES, fp8_gain_ms
 from .sharding import ShardPlanRow, plan_expert_weight, plan_weight, with_all_gather
 from .swap import (
@@ -102,7 +103,7 @@ def convert(
             row = _plan_row(fqn, tuple(param.shape), kind, parallel_dims, itemsize, path, not auto)
             row = with_all_gather(row, all_gather_dtype, fp8_all_gather, fp8_recipe)
             if auto:
-                row = _decide(row, rows, compiled)
+                row = _decide(row, rows, compiled, fp8_recipe)
             if row.fp8:
                 fp8_recipe.check_local_shape(fqn, row.local_shape, row.tp_dim, emulate)
                 chosen.add(name)
@@ -150,12 +151,15 @@ def _top_k(modules: dict[str, nn.Module], experts_fqn: str) -> int:
     return 1
 
 
-def _decide(row: ShardPlanRow, rows: int, compiled: bool) -> ShardPlanRow:
+def _decide(row: ShardPlanRow, rows: int, compiled: bool, recipe: Recipe) -> ShardPlanRow:
     """``row`` with the auto policy's verdict for its local shape multiplied by ``rows``."""
     if row.uneven_tp:
         return replace(
             row, path="bf16 (auto: TP splits it unevenly, fp8 needs equal shares)", fp8=False
         )
+    if not recipe.has_cost_model:
+        # The user chose the recipe for its numerics; auto cannot weigh its speed.
+        return replace(row, path=f"{row.path} (auto: no cost model for {recipe.name}, converted)")
     share = 1 / row.fsdp_degree if row.all_gather == "fp8" else 1.0
     gain = fp8_gain_ms(rows, row.local_shape, compiled, share)
     if gain > 0:

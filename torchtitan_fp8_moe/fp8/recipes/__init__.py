@@ -25,6 +25,9 @@ class Recipe:
 
     name: str
     description: str  # for the converter's log: "fp8 rowwise (...)"
+    # Whether policy "auto"'s cost model (policy.py, fit to H200 runs of this recipe) applies;
+    # where not, auto converts every selected weight and the plan says so.
+    has_cost_model: bool = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -25,6 +25,7 @@ FP8_MATRIX_ALIGNMENT = 16
 class RowwiseRecipe(Recipe):
     name = "rowwise"
     description = "fp8 rowwise"
+    has_cost_model = True
 
     def quantizers(self, emulate: bool) -> ModuleType:
         if emulate:
