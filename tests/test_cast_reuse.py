@@ -2,6 +2,8 @@
 results of casting them twice, and never reused for a tensor that changed or is another one.
 Runs emulated on CPU, and on CUDA too where a GPU with fp8 is present."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -63,12 +65,17 @@ def test_expert_ffn_casts_the_routed_tokens_once(device, monkeypatch):
     out = _run_experts_grouped_mm(*converted, x_fp8, counts)
     # Forward: x once for w1 and w3, then SiLU(x w1) * (x w3) for w2.
     assert [t.shape[1] for t in row_casts] == [DIM, HIDDEN]
+    kept = cast_reuse._local.kept  # w2's cast of its input: nothing reuses it
+    assert kept is not None and kept.cast is quantizers.rows
+    kept_fp8 = weakref.ref(kept.result[0])
+    del kept
     if device == "cuda":
         from torchtitan_fp8_moe.fp8 import triton_quantize
 
         pairs = _counting(monkeypatch, triton_quantize, "per_group_colwise_fp8_pair")
         singles = _counting(monkeypatch, triton_quantize, "per_group_colwise_fp8")
     out.backward(grad)
+    assert kept_fp8() is None, "the backward frees the last forward's kept cast"
     if device == "cuda":
         # w2's and w3's weight gradients cast their token pairs; w1's reuses w3's cast of x.
         assert [t.shape[1] for t in pairs] == [HIDDEN, DIM] and len(singles) == 1

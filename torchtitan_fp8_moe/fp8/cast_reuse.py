@@ -6,7 +6,8 @@ backward, then SiLU's, then w1's). One slot per thread holds the last cast. The 
 it if it casts the same memory (same tensor or view of the same base, data pointer, shape,
 strides, dtype), unchanged since (the version counter, which views share), with the same cast
 function and the same other inputs (by identity); every take empties the slot, hit or miss, so
-the slot holds at most one activation's fp8 copy, until the next cast that looks in it. Writes
+the slot holds at most one activation's fp8 copy, until the next cast that looks in it or the
+first backward (which drops a forward cast: the last forward's is never reused). Writes
 that bypass the version counter (through ``x.data`` or raw pointers) are not seen: do not make
 them between two expert GEMMs.
 
@@ -71,6 +72,13 @@ def keep(cast: Callable, x: torch.Tensor, others: tuple, result) -> None:
     """Keep ``result``, the output of ``cast`` on ``x`` and ``others``, for the next ``take``."""
     if _keepable(x):
         _local.kept = _Kept(cast, weakref.ref(_base(x)), _layout(x), x._version, others, result)
+
+
+def discard(cast: Callable) -> None:
+    """Empty the slot if it holds a result of ``cast``."""
+    kept = getattr(_local, "kept", None)
+    if kept is not None and kept.cast is cast:
+        _local.kept = None
 
 
 def cast_once(cast: Callable, x: torch.Tensor):

@@ -51,6 +51,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         a, offs, *weight_saved = ctx.saved_tensors
         recipe, emulate = ctx.recipe, ctx.emulate
         quantize = recipe.quantizers(emulate)
+        cast_reuse.discard(quantize.rows)  # the last forward's cast, kept for nothing
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_a = _input_grad(ctx, grad_out, a.dtype, offs, weight_saved, quantize)
