@@ -76,6 +76,8 @@ def keep(cast: Callable, x: torch.Tensor, others: tuple, result) -> None:
 
 def discard(cast: Callable) -> None:
     """Empty the slot if it holds a result of ``cast``."""
+    if torch.compiler.is_compiling():
+        return  # compiled code neither reads nor writes the slot
     kept = getattr(_local, "kept", None)
     if kept is not None and kept.cast is cast:
         _local.kept = None
