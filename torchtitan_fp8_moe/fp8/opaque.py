@@ -28,8 +28,9 @@ def compile_triton(name: str, fn: Callable) -> Callable:
     triton op ``torchtitan_fp8_moe::<name>``: torch.compile traces into it and inductor launches
     the kernels from its generated code. As an opaque custom op, each call paid the op's
     dispatch and Triton's Python launcher in compiled code too: float8_moe took 10.6 ms of host
-    time per compiled layer call at the Scout preset's TP 8 shapes against bf16's 3.5 ms
-    (docs/benchmarks/presets/). The op's shape rule is ``fn`` run on fake tensors."""
+    time per compiled layer call at the Scout preset's TP 8 shapes against bf16's 3.5 ms, 6.2 ms
+    as a triton op (docs/benchmarks/archive/2026-12-03-per-group-chunks-cast-reuse-triton-ops/).
+    The op's shape rule is ``fn`` run on fake tensors."""
     op = torch.library.triton_op(f"torchtitan_fp8_moe::{name}", fn, mutates_args=())
     return _eager_or_op(fn, op)
 
@@ -38,7 +39,8 @@ def launcher(kernel, tensor: torch.Tensor):
     """How a ``compile_triton`` function launches ``kernel`` on ``tensor``: directly for a plain
     tensor (eager), through ``wrap_triton`` while the op is traced (fake or proxy tensors).
     ``wrap_triton`` in eager dispatches a higher-order op per launch: 28.5 ms of host time per
-    eager layer call at the Scout preset's TP 8 shapes against 10.9 ms launching directly."""
+    eager layer call at the Scout preset's TP 8 shapes against 10.9 ms launching directly (same
+    page as above)."""
     return kernel if _plain(tensor) else wrap_triton(kernel)
 
 
