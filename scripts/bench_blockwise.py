@@ -56,6 +56,7 @@ _math_core_without_torchtitan()
 from torchtitan_fp8_moe.fp8 import blockwise_quantize as rules  # noqa: E402
 from torchtitan_fp8_moe.fp8 import blockwise_triton_quantize as cuda  # noqa: E402
 from torchtitan_fp8_moe.fp8 import fp8_grouped_mm, recipe_named  # noqa: E402
+from torchtitan_fp8_moe.fp8.kernels import blockwise_gemm  # noqa: E402
 from torchtitan_fp8_moe.fp8.kernels.blockwise_gemm import (  # noqa: E402
     blockwise_grouped_mm,
     blockwise_grouped_mm_wgrad,
@@ -479,6 +480,11 @@ def main() -> None:
         if not args.quick or shape[0] in QUICK:
             report["layers"].append(run_layer_shape(shape, args.repeat))
             torch.cuda.empty_cache()
+    report["autotuned"] = {
+        kernel.fn.__name__: {str(key): str(config) for key, config in kernel.cache.items()}
+        for kernel in (blockwise_gemm._grouped_mm_kernel, blockwise_gemm._wgrad_kernel)
+    }
+    print("\nautotuned configs:", json.dumps(report["autotuned"], indent=1))
     report["wall_s"] = round(time.perf_counter() - started, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,9 @@
         [--out docs/...json] [-- extra torchtitan overrides]
 
 Variant suffixes: ``+compile`` (torch.compile), ``+cache`` (``--float8_moe.cache_fp8_weights``),
-``+fp8ag`` (``--float8_moe.fp8_all_gather``: FSDP gathers fp8 payloads), ``+dense`` (torchtitan's
-fp8 rowwise ``quantize.linear.float8`` on the dense linears as well).
+``+fp8ag`` (``--float8_moe.fp8_all_gather``: FSDP gathers fp8 payloads), ``+blockwise``
+(``--float8_moe.recipe=blockwise``), ``+dense`` (torchtitan's fp8 rowwise
+``quantize.linear.float8`` on the dense linears as well).
 
 Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
 per-step log lines, and reports the median tokens/s per device and the peak reserved memory over
@@ -23,6 +24,7 @@ import os
 import re
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,10 +64,12 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         *(["--compile.enable"] if "+compile" in variant else []),
         *(["--float8_moe.cache_fp8_weights"] if "+cache" in variant else []),
         *(["--float8_moe.fp8_all_gather"] if "+fp8ag" in variant else []),
+        *(["--float8_moe.recipe=blockwise"] if "+blockwise" in variant else []),
         *(dense_fp8(variant) if "+dense" in variant else []),
         *extra,
     ]
     env = dict(os.environ, NGPU=str(args.ngpu), CONFIG_FILE=str(config))
+    started = time.perf_counter()
     proc = subprocess.run(
         ["./scripts/run_train.sh", *overrides], cwd=REPO, env=env, capture_output=True, text=True
     )
@@ -85,6 +89,7 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         "run": run,
         "ngpu": args.ngpu,
         "returncode": proc.returncode,
+        "wall_s": round(time.perf_counter() - started, 1),
         "steps_logged": len(steps),
         "log": log_path.name,
         "overrides": overrides,

@@ -38,25 +38,29 @@ def _weights(device, emulate):
     return plain, converted
 
 
-def _counting(monkeypatch, quantizers, name):
-    calls = []
-    original = getattr(quantizers, name)
+def _logging(monkeypatch, module, names, log):
+    """Append (name, the first argument's dim 1) to ``log`` at each call of these functions."""
+    for name in names:
+        original = getattr(module, name)
 
-    def counted(*args):
-        calls.append(args[0])
-        return original(*args)
+        def logged(*args, name=name, original=original):
+            log.append((name, args[0].shape[1]))
+            return original(*args)
 
-    monkeypatch.setattr(quantizers, name, counted)
-    return calls
+        monkeypatch.setattr(module, name, logged)
 
 
+# Routed tokens below and above EXPERTS * HIDDEN: w1's backward takes the input gradient first,
+# then the weight gradient first (scaled_grouped_mm._weight_grad_first).
+@pytest.mark.parametrize("tokens_per_expert", [TOKENS_PER_EXPERT, [160, 0, 240, 112]])
 @pytest.mark.parametrize("device", DEVICES)
-def test_expert_ffn_casts_the_routed_tokens_once(device, monkeypatch):
+def test_expert_ffn_casts_the_routed_tokens_once(device, tokens_per_expert, monkeypatch):
     emulate = device == "cpu"
     quantizers = recipe_named("rowwise").quantizers(emulate)
-    row_casts = _counting(monkeypatch, quantizers, "rows")
-    counts = torch.tensor(TOKENS_PER_EXPERT, device=device)
-    tokens = sum(TOKENS_PER_EXPERT)
+    casts = []
+    _logging(monkeypatch, quantizers, ["rows"], casts)
+    counts = torch.tensor(tokens_per_expert, device=device)
+    tokens = sum(tokens_per_expert)
     x = torch.randn(tokens, DIM, device=device, dtype=torch.bfloat16)
     grad = torch.randn(tokens, DIM, device=device, dtype=torch.bfloat16)
     plain, converted = _weights(device, emulate)
@@ -64,21 +68,33 @@ def test_expert_ffn_casts_the_routed_tokens_once(device, monkeypatch):
     x_fp8 = x.clone().requires_grad_()
     out = _run_experts_grouped_mm(*converted, x_fp8, counts)
     # Forward: x once for w1 and w3, then SiLU(x w1) * (x w3) for w2.
-    assert [t.shape[1] for t in row_casts] == [DIM, HIDDEN]
-    kept = cast_reuse._local.kept  # w2's cast of its input: nothing reuses it
+    assert casts == [("rows", DIM), ("rows", HIDDEN)]
+    kept = cast_reuse._slot.kept  # w2's cast of its input: nothing reuses it
     assert kept is not None and kept.cast is quantizers.rows
     kept_fp8 = weakref.ref(kept.result[0])
     del kept
     if device == "cuda":
         from torchtitan_fp8_moe.fp8 import triton_quantize
 
-        pairs = _counting(monkeypatch, triton_quantize, "per_group_colwise_fp8_pair")
-        singles = _counting(monkeypatch, triton_quantize, "per_group_colwise_fp8")
+        pair_casts = ["per_group_colwise_fp8_pair", "per_group_colwise_fp8"]
+        _logging(monkeypatch, triton_quantize, pair_casts, casts)
+    casts.clear()
     out.backward(grad)
     assert kept_fp8() is None, "the backward frees the last forward's kept cast"
     if device == "cuda":
-        # w2's and w3's weight gradients cast their token pairs; w1's reuses w3's cast of x.
-        assert [t.shape[1] for t in pairs] == [HIDDEN, DIM] and len(singles) == 1
+        # w2, then w3: input gradient (rows of grad), weight gradient (a token pair, w3's
+        # keeping x's cast); w1 reuses it, with the weight gradient first where x's kept cast
+        # is larger than w1's transposed fp8 copy.
+        w1_backward = [("rows", HIDDEN), ("per_group_colwise_fp8", HIDDEN)]
+        if tokens > EXPERTS * HIDDEN:
+            w1_backward.reverse()
+        assert casts == [
+            ("rows", DIM),
+            ("per_group_colwise_fp8_pair", HIDDEN),
+            ("rows", HIDDEN),
+            ("per_group_colwise_fp8_pair", DIM),
+            *w1_backward,
+        ]
 
     # The same expert FFN with w3 given its own copy of x: two casts, same bytes.
     x_twice = x.clone().requires_grad_()
@@ -135,8 +151,10 @@ def test_the_slot_holds_one_cast_and_only_keepable_tensors():
     cast_reuse.keep(cast, b, (offs,), "b's")  # replaces a's
     assert cast_reuse.take(cast, a, offs) is None
     cast_reuse.keep(cast, b, (offs,), "b's")
-    assert cast_reuse.take(cast, b, offs) == "b's"
+    assert cast_reuse.holds(cast, b, offs) and not cast_reuse.holds(cast, a, offs)
+    assert cast_reuse.take(cast, b, offs) == "b's"  # holds left the slot as it was
     assert cast_reuse.take(cast, b, offs) is None  # a hit empties it too
+    assert not cast_reuse.holds(cast, b, offs)
     with torch.inference_mode():
         c = torch.ones(3)
     assert cast_reuse.cast_once(cast, c) is not None
@@ -146,6 +164,25 @@ def test_the_slot_holds_one_cast_and_only_keepable_tensors():
     del d  # a freed tensor's cast is never handed to a new one at its address
     e = torch.ones(3)
     assert cast_reuse.take(cast, e) is None
+
+
+def test_another_thread_sees_and_drops_the_kept_cast():
+    """On CUDA the backward runs in autograd's device thread: it must find the forward's cast."""
+    import threading
+
+    def cast(t):
+        return t * 2
+
+    x = torch.ones(3)
+    cast_reuse.keep(cast, x, (), "x's")
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(cast_reuse.holds(cast, x)))
+    worker.start()
+    worker.join()
+    worker = threading.Thread(target=cast_reuse.discard, args=(cast,))
+    worker.start()
+    worker.join()
+    assert seen == [True] and cast_reuse._slot.kept is None
 
 
 def test_views_of_the_same_memory_share_a_cast_and_other_memory_does_not():

@@ -2,7 +2,7 @@
 
 torchtitan's experts multiply the same tokens by w1 and by w3, so the forward casts them twice
 with the same rule, and the two weight gradients cast them per group twice in backward (the w3
-backward, then SiLU's, then w1's). One slot per thread holds the last cast. The next call takes
+backward, then SiLU's, then w1's). One slot per process holds the last cast. The next call takes
 it if it casts the same memory (same tensor or view of the same base, data pointer, shape,
 strides, dtype), unchanged since (the version counter, which views share), with the same cast
 function and the same other inputs (by identity); every take empties the slot, hit or miss, so
@@ -16,7 +16,6 @@ Inference tensors (no version counter) and tensor subclasses are never kept.
 """
 
 import operator
-import threading
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -33,8 +32,15 @@ class _Kept(NamedTuple):
     result: object
 
 
-# Per thread: torchtitan's DualPipeV schedule runs forward and backward in two threads.
-_local = threading.local()
+class _Slot:
+    kept: _Kept | None = None
+
+
+# One per process, not per thread: on CUDA the backward runs in autograd's device thread, and it
+# must see (and drop) the forward's last cast. Threads that run forward and backward side by
+# side (torchtitan's DualPipeV) share it: the key keeps them from taking each other's casts,
+# and where one replaces or empties the other's, the other casts again (a miss, never a wrong hit).
+_slot = _Slot()
 
 
 def _keepable(x: torch.Tensor) -> bool:
@@ -49,13 +55,8 @@ def _layout(x: torch.Tensor) -> tuple:
     return (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
 
 
-def take(cast: Callable, x: torch.Tensor, *others: torch.Tensor):
-    """The kept result of ``cast`` on ``x`` (and ``others``), else None; empties the slot."""
-    # _keepable first: compiled code must not read the slot.
-    if not _keepable(x):
-        return None
-    kept, _local.kept = getattr(_local, "kept", None), None
-    if (
+def _matches(kept: _Kept | None, cast: Callable, x: torch.Tensor, others: tuple) -> bool:
+    return (
         kept is not None
         and kept.cast is cast
         and kept.base() is _base(x)
@@ -63,24 +64,36 @@ def take(cast: Callable, x: torch.Tensor, *others: torch.Tensor):
         and kept.version == x._version
         and len(kept.others) == len(others)
         and all(map(operator.is_, kept.others, others))
-    ):
-        return kept.result
-    return None
+    )
+
+
+def take(cast: Callable, x: torch.Tensor, *others: torch.Tensor):
+    """The kept result of ``cast`` on ``x`` (and ``others``), else None; empties the slot."""
+    # _keepable first: compiled code must not read the slot.
+    if not _keepable(x):
+        return None
+    kept, _slot.kept = _slot.kept, None
+    return kept.result if _matches(kept, cast, x, others) else None
+
+
+def holds(cast: Callable, x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the next ``take`` with these arguments would hit; leaves the slot as it is."""
+    return _keepable(x) and _matches(_slot.kept, cast, x, others)
 
 
 def keep(cast: Callable, x: torch.Tensor, others: tuple, result) -> None:
     """Keep ``result``, the output of ``cast`` on ``x`` and ``others``, for the next ``take``."""
     if _keepable(x):
-        _local.kept = _Kept(cast, weakref.ref(_base(x)), _layout(x), x._version, others, result)
+        _slot.kept = _Kept(cast, weakref.ref(_base(x)), _layout(x), x._version, others, result)
 
 
 def discard(cast: Callable) -> None:
     """Empty the slot if it holds a result of ``cast``."""
     if torch.compiler.is_compiling():
         return  # compiled code neither reads nor writes the slot
-    kept = getattr(_local, "kept", None)
+    kept = _slot.kept
     if kept is not None and kept.cast is cast:
-        _local.kept = None
+        _slot.kept = None
 
 
 def cast_once(cast: Callable, x: torch.Tensor):

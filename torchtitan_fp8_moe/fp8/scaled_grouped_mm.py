@@ -43,6 +43,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             b_fp8, b_scale, b_state = quantize_weight(b, "forward", quantize.weight, cached)
             ctx.save_for_backward(a, offs, b, b_state)
         ctx.recipe, ctx.emulate, ctx.cached, ctx.b_dtype = recipe, emulate, cached, b.dtype
+        ctx.b_shape = b.shape
         ctx.payload_count = len(b_payloads)
         return recipe.grouped_mm(a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, emulate)
 
@@ -53,14 +54,30 @@ class _Fp8GroupedMM(torch.autograd.Function):
         quantize = recipe.quantizers(emulate)
         cast_reuse.discard(quantize.rows)  # the last forward's cast, kept for nothing
         grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = _input_grad(ctx, grad_out, a.dtype, offs, weight_saved, quantize)
-        if ctx.needs_input_grad[1]:
+
+        def weight_grad():
             a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(a, grad_out, offs)
-            grad_b = recipe.grouped_wgrad_mm(
+            return recipe.grouped_wgrad_mm(
                 a_fp8, a_scales, grad_fp8, grad_scales, offs, ctx.b_dtype, emulate
             )
+
+        if ctx.needs_input_grad[1] and _weight_grad_first(ctx, a, offs, quantize):
+            grad_b = weight_grad()
+        if ctx.needs_input_grad[0]:
+            grad_a = _input_grad(ctx, grad_out, a.dtype, offs, weight_saved, quantize)
+        if ctx.needs_input_grad[1] and grad_b is None:
+            grad_b = weight_grad()
         return grad_a, grad_b, None, None, None, None, *([None] * ctx.payload_count)
+
+
+def _weight_grad_first(ctx, a, offs, quantize) -> bool:
+    """Whether the weight gradient should go first for the lower peak memory: where the other
+    projection's backward kept a's cast (w1 after w3), taking it first frees that fp8 copy of
+    a [M, K] before the input gradient allocates, but then the weight gradient [G, K, N] is
+    alive beside the input gradient's fp8 copy of b^T. With a's fp8 copy larger than b's
+    (M > G * N: many tokens, small experts) that is the lower peak."""
+    groups, _, n = ctx.b_shape
+    return a.shape[0] > groups * n and cast_reuse.holds(quantize.per_group_pair, a, offs)
 
 
 def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Tensor:

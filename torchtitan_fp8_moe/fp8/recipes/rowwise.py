@@ -76,23 +76,14 @@ def grouped_mm(
         return out.to(out_dtype)
     if b.shape[0] == 1:
         # One group is a plain GEMM; _scaled_mm is faster than the grouped kernel for it.
-        out = torch._scaled_mm(
-            a,
-            column_major(b[0]),
-            scale_a=a_scale.reciprocal(),
-            scale_b=b_scale[0].reciprocal(),
-            out_dtype=torch.bfloat16,
-            use_fast_accum=True,
-        )
+        out = _scaled_gemm(a, column_major(b[0]), a_scale.reciprocal(), b_scale[0].reciprocal())
     else:
-        out = torch._scaled_grouped_mm(
+        out = _scaled_gemm(
             a,
             column_major(b),
             a_scale.reciprocal().squeeze(-1),
             b_scale.reciprocal().squeeze(-2),
-            offs=offs,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=True,
+            offs,
         )
     return out.to(out_dtype)
 
@@ -119,22 +110,41 @@ def grouped_wgrad_mm(
     # quantizer writes them, and the transposed result has the weight's own layout, so
     # autograd needs no copy to accumulate it.
     if offs.numel() == 1:
-        out = torch._scaled_mm(
+        out = _scaled_gemm(
             grad.t(),
             column_major(a),
-            scale_a=grad_scale.reciprocal().view(-1, 1),
-            scale_b=a_scale.reciprocal().view(1, -1),
-            out_dtype=torch.bfloat16,
-            use_fast_accum=True,
+            grad_scale.reciprocal().view(-1, 1),
+            a_scale.reciprocal().view(1, -1),
         ).unsqueeze(0)
     else:
-        out = torch._scaled_grouped_mm(
+        out = _scaled_gemm(
             grad.t(),
             column_major(a),
             grad_scale.reciprocal().reshape(-1),
             a_scale.reciprocal().reshape(-1),
-            offs=offs,
+            offs,
+        )
+    return out.transpose(-2, -1).to(out_dtype)
+
+
+def _scaled_gemm(a, b, a_inverse_scale, b_inverse_scale, offs=None) -> torch.Tensor:
+    """torch's fp8 GEMM, bf16 out, fast accumulation: ``_scaled_mm`` without ``offs``, else
+    ``_scaled_grouped_mm``. Scales are the inverses of ours (torch multiplies by them)."""
+    if offs is None:
+        return torch._scaled_mm(
+            a,
+            b,
+            scale_a=a_inverse_scale,
+            scale_b=b_inverse_scale,
             out_dtype=torch.bfloat16,
             use_fast_accum=True,
         )
-    return out.transpose(-2, -1).to(out_dtype)
+    return torch._scaled_grouped_mm(
+        a,
+        b,
+        a_inverse_scale,
+        b_inverse_scale,
+        offs=offs,
+        out_dtype=torch.bfloat16,
+        use_fast_accum=True,
+    )
