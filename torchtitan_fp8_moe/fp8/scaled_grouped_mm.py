@@ -75,9 +75,10 @@ def _weight_grad_first(ctx, a, offs, quantize) -> bool:
     projection's backward kept a's cast (w1 after w3), taking it first frees that fp8 copy of
     a [M, K] before the input gradient allocates, but then the weight gradient [G, K, N] is
     alive beside the input gradient's fp8 copy of b^T. With a's fp8 copy larger than b's
-    (M > G * N: many tokens, small experts) that is the lower peak."""
+    (M > G * N: many tokens, small experts) that is the lower peak. (``holds`` first: it is
+    False in compiled code, which then compares no symbolic sizes.)"""
     groups, _, n = ctx.b_shape
-    return a.shape[0] > groups * n and cast_reuse.holds(quantize.per_group_pair, a, offs)
+    return cast_reuse.holds(quantize.per_group_pair, a, offs) and a.shape[0] > groups * n
 
 
 def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Tensor:
