@@ -90,6 +90,10 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         "ngpu": args.ngpu,
         "returncode": proc.returncode,
         "wall_s": round(time.perf_counter() - started, 1),
+        # run_train.sh sets expandable segments unless either variable is set here.
+        "alloc_conf": {
+            name: os.environ.get(name) for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+        },
         "steps_logged": len(steps),
         "log": log_path.name,
         "overrides": overrides,

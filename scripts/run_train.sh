@@ -65,8 +65,11 @@ fi
 # The bundled corpus is read from disk; never reach for the Hugging Face hub.
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 # As torchtitan's run_train.sh: the CUDA allocator grows segments instead of caching blocks of
-# every size, so steps whose temporaries differ in size (fp8 casts) fragment less.
-export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
+# every size, so steps whose temporaries differ in size (fp8 casts) fragment less. A setting of
+# the user's, under either name, is left as it is.
+if [[ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
+    export PYTORCH_ALLOC_CONF=expandable_segments:True
+fi
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     # CPU run: one thread per process keeps NGPU processes from oversubscribing the cores.
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

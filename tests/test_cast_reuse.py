@@ -2,6 +2,7 @@
 results of casting them twice, and never reused for a tensor that changed or is another one.
 Runs emulated on CPU, and on CUDA too where a GPU with fp8 is present."""
 
+import threading
 import weakref
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn as nn
 from torchtitan.models.moe.moe import _run_experts_grouped_mm
 
-from torchtitan_fp8_moe.fp8 import cast_reuse, fp8_grouped_mm, recipe_named
+from torchtitan_fp8_moe.fp8 import cast_reuse, fp8_grouped_mm, recipe_named, scaled_grouped_mm
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig, fp8_kernels_available
 
@@ -52,7 +53,11 @@ def _logging(monkeypatch, module, names, log):
 
 # Routed tokens below and above EXPERTS * HIDDEN: w1's backward takes the input gradient first,
 # then the weight gradient first (scaled_grouped_mm._weight_grad_first).
-@pytest.mark.parametrize("tokens_per_expert", [TOKENS_PER_EXPERT, [160, 0, 240, 112]])
+@pytest.mark.parametrize(
+    "tokens_per_expert",
+    [TOKENS_PER_EXPERT, [160, 0, 240, 112]],
+    ids=["w1-input-grad-first", "w1-weight-grad-first"],
+)
 @pytest.mark.parametrize("device", DEVICES)
 def test_expert_ffn_casts_the_routed_tokens_once(device, tokens_per_expert, monkeypatch):
     emulate = device == "cpu"
@@ -166,23 +171,39 @@ def test_the_slot_holds_one_cast_and_only_keepable_tensors():
     assert cast_reuse.take(cast, e) is None
 
 
-def test_another_thread_sees_and_drops_the_kept_cast():
-    """On CUDA the backward runs in autograd's device thread: it must find the forward's cast."""
-    import threading
-
-    def cast(t):
-        return t * 2
-
-    x = torch.ones(3)
-    cast_reuse.keep(cast, x, (), "x's")
-    seen = []
-    worker = threading.Thread(target=lambda: seen.append(cast_reuse.holds(cast, x)))
+def test_a_backward_in_another_thread_drops_the_forward_cast():
+    """On CUDA autograd runs the backward in its device thread: it must find (and drop) the
+    forward's last kept cast. Here the backward runs in a thread of its own, on CPU."""
+    counts = torch.tensor(TOKENS_PER_EXPERT)
+    x = torch.randn(sum(TOKENS_PER_EXPERT), DIM, dtype=torch.bfloat16, requires_grad=True)
+    out = _run_experts_grouped_mm(*_weights("cpu", emulate=True)[1], x, counts)
+    kept_fp8 = weakref.ref(cast_reuse._slot.kept.result[0])
+    worker = threading.Thread(target=out.backward, args=(torch.ones_like(out),))
     worker.start()
     worker.join()
-    worker = threading.Thread(target=cast_reuse.discard, args=(cast,))
-    worker.start()
-    worker.join()
-    assert seen == [True] and cast_reuse._slot.kept is None
+    assert x.grad is not None
+    assert kept_fp8() is None, "the backward's thread left the forward's kept cast alive"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_either_gradient_order_gives_the_same_gradients(device, monkeypatch):
+    """``_weight_grad_first`` only orders the backward's two GEMMs (for memory): both orders
+    give the same bytes."""
+    emulate = device == "cpu"
+    counts = torch.tensor(TOKENS_PER_EXPERT, device=device)
+    x = torch.randn(sum(TOKENS_PER_EXPERT), DIM, device=device, dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    grads = []
+    for weight_first in (False, True):
+        monkeypatch.setattr(
+            scaled_grouped_mm, "_weight_grad_first", lambda *args, first=weight_first: first
+        )
+        x_leaf = x.clone().requires_grad_()
+        converted = _weights(device, emulate)[1]
+        _run_experts_grouped_mm(*converted, x_leaf, counts).backward(grad)
+        grads.append([x_leaf.grad, *(w.grad for w in converted)])
+    for by_input_first, by_weight_first in zip(*grads, strict=True):
+        assert torch.equal(by_input_first, by_weight_first)
 
 
 def test_views_of_the_same_memory_share_a_cast_and_other_memory_does_not():

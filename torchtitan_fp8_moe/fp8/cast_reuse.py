@@ -38,8 +38,9 @@ class _Slot:
 
 # One per process, not per thread: on CUDA the backward runs in autograd's device thread, and it
 # must see (and drop) the forward's last cast. Threads that run forward and backward side by
-# side (torchtitan's DualPipeV) share it: the key keeps them from taking each other's casts,
-# and where one replaces or empties the other's, the other casts again (a miss, never a wrong hit).
+# side (torchtitan's DualPipeV) share it: forwards keep and take only ``rows`` casts, backwards
+# only per-group ones, and the key holds the tensor's identity, so neither takes the other's;
+# where one replaces or empties the other's, the other casts again (a miss, never a wrong hit).
 _slot = _Slot()
 
 

@@ -43,7 +43,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             b_fp8, b_scale, b_state = quantize_weight(b, "forward", quantize.weight, cached)
             ctx.save_for_backward(a, offs, b, b_state)
         ctx.recipe, ctx.emulate, ctx.cached, ctx.b_dtype = recipe, emulate, cached, b.dtype
-        ctx.b_shape = b.shape
+        ctx.b_columns = b.shape[0] * b.shape[-1]  # G * N: b's fp8 copy is K * this bytes
         ctx.payload_count = len(b_payloads)
         return recipe.grouped_mm(a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, emulate)
 
@@ -52,7 +52,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
         a, offs, *weight_saved = ctx.saved_tensors
         recipe, emulate = ctx.recipe, ctx.emulate
         quantize = recipe.quantizers(emulate)
-        cast_reuse.discard(quantize.rows)  # the last forward's cast, kept for nothing
+        # The last forward's cast, kept for nothing (or, under DualPipeV, the other thread's
+        # forward cast: that forward casts again, see cast_reuse.py).
+        cast_reuse.discard(quantize.rows)
         grad_a = grad_b = None
 
         def weight_grad():
@@ -61,29 +63,32 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 a_fp8, a_scales, grad_fp8, grad_scales, offs, ctx.b_dtype, emulate
             )
 
-        if ctx.needs_input_grad[1] and _weight_grad_first(ctx, a, offs, quantize):
+        weight_first = ctx.needs_input_grad[1] and _weight_grad_first(ctx, a, offs, quantize)
+        if weight_first:
             grad_b = weight_grad()
         if ctx.needs_input_grad[0]:
             grad_a = _input_grad(ctx, grad_out, a.dtype, offs, weight_saved, quantize)
-        if ctx.needs_input_grad[1] and grad_b is None:
+        if ctx.needs_input_grad[1] and not weight_first:
             grad_b = weight_grad()
         return grad_a, grad_b, None, None, None, None, *([None] * ctx.payload_count)
 
 
 def _weight_grad_first(ctx, a, offs, quantize) -> bool:
-    """Whether the weight gradient should go first for the lower peak memory: where the other
+    """Whether the weight gradient should go first for the lower peak memory. Where the other
     projection's backward kept a's cast (w1 after w3), taking it first frees that fp8 copy of
-    a [M, K] before the input gradient allocates, but then the weight gradient [G, K, N] is
-    alive beside the input gradient's fp8 copy of b^T. With a's fp8 copy larger than b's
-    (M > G * N: many tokens, small experts) that is the lower peak. (``holds`` first: it is
+    a [M, K] before the input gradient allocates; but then the weight gradient [G, K, N] is
+    alive beside the input gradient's fp8 copy of b^T [G, N, K], where that copy is made here.
+    So: first where b^T's fp8 copy exists anyway (fp8 all-gather payloads, the weight cache)
+    or is smaller than a's (M > G * N: many tokens, small experts). (``holds`` first: it is
     False in compiled code, which then compares no symbolic sizes.)"""
-    groups, _, n = ctx.b_shape
-    return cast_reuse.holds(quantize.per_group_pair, a, offs) and a.shape[0] > groups * n
+    return cast_reuse.holds(quantize.per_group_pair, a, offs) and (
+        ctx.payload_count > 0 or ctx.cached is not None or a.shape[0] > ctx.b_columns
+    )
 
 
 def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Tensor:
     """``grad_out @ b^T`` in fp8. A function of its own so that its fp8 copies (the gradient's and
-    the transposed weight's, the size of the weight) are freed before the weight gradient's
+    the transposed weight's, the size of the weight) are freed before the other gradient's
     casts allocate theirs: they raised the backward's peak memory above bf16's."""
     grad_fp8, grad_scale = quantize.rows(grad_out)
     if ctx.payload_count:
