@@ -1,6 +1,6 @@
 """fp8 grouped GEMM kernels from registry packages against torch's, at the per-GPU expert shapes.
 
-    python scripts/bench_grouped_backends.py [--quick] [--repeat N]
+    python scripts/bench_grouped_backends.py [--quick | --shapes S,..] [--repeat N]
         [--out outputs/benchmarks/grouped_backends.json]
 
 For each shape (routed rows M, local experts G, K -> N) and each GEMM of an expert projection
@@ -8,11 +8,12 @@ For each shape (routed rows M, local experts G, K -> N) and each GEMM of an expe
 the w1/w2 rows of a model cover both) it times, on operands quantized beforehand (the GEMM alone):
 
 - ``bf16``: ``torch._grouped_mm`` (what an unconverted model runs);
-- ``torch_rowwise``: ``torch._scaled_grouped_mm`` (float8_moe's default kernel);
+- ``torch_rowwise``: ``torch._scaled_grouped_mm`` on float8_moe's quantizers' operands (its kernel);
 - ``fbgemm_rowwise``: fbgemm-gpu-genai's CUTLASS ``f8f8bf16_rowwise_grouped_stacked``;
 - ``fbgemm_triton_rowwise``: fbgemm-gpu-genai's Triton ``grouped_gemm_fp8_rowwise``;
 - ``fbgemm_blockwise``: fbgemm-gpu-genai's CUTLASS ``f8f8bf16_groupwise_grouped`` (1x128 / 128x128);
-- and the weight-gradient GEMM (contraction over each group's tokens): bf16 vs torch_rowwise.
+- and the weight-gradient GEMM (``dW_g^T = dy_g^T . x_g``, over each group's tokens, as
+  float8_moe computes it, on float8_moe's quantizers' operands): bf16, torch_rowwise.
 
 Each result is checked against the bf16 product (SQNR, dB) before it is timed; a backend that does
 not import or fails on this machine is reported with its error. Times are triton ``do_bench``
@@ -29,6 +30,8 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+from torchtitan_fp8_moe.fp8 import triton_quantize
+from torchtitan_fp8_moe.fp8.gemm import column_major
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 
 # name: (routed rows M on one GPU, local experts G, K, N)
@@ -41,6 +44,7 @@ SHAPES = {
     "dsv3_16e_w2": (65536, 16, 2048, 7168),
     "scout_16e_w1": (16384, 16, 5120, 8192),
     "scout_16e_w2": (16384, 16, 8192, 5120),
+    "scout_16e_64k_w1": (65536, 16, 5120, 8192),
 }
 QUICK = ("scout_tp8_w1", "qwen3_30b_w1", "dsv3_16e_w1")
 FP8 = torch.float8_e4m3fn
@@ -90,13 +94,16 @@ def _forward_backends(x, w_nk, sizes, offs):
     """name -> zero-argument callable computing ``x . W_g^T`` per group (bf16 out)."""
     xq, xs = _rowwise(x, -1)
     wq, ws = _rowwise(w_nk, -1)  # [G, N, K], scales [G, N, 1]
+    a, a_scale = triton_quantize.rows(x)
+    b, b_scale, _ = triton_quantize.weight(w_nk.transpose(-2, -1))
+    b = column_major(b)
     backends = {
         "bf16": lambda: torch._grouped_mm(x, w_nk.transpose(-2, -1), offs=offs),
         "torch_rowwise": lambda: torch._scaled_grouped_mm(
-            xq,
-            wq.transpose(-2, -1),
-            xs.squeeze(-1),
-            ws.squeeze(-1),
+            a,
+            b,
+            a_scale.reciprocal().squeeze(-1),
+            b_scale.reciprocal().squeeze(-2),
             offs=offs,
             out_dtype=torch.bfloat16,
             use_fast_accum=True,
@@ -129,16 +136,15 @@ def _forward_backends(x, w_nk, sizes, offs):
 
 
 def _wgrad_backends(x, dy, offs):
-    """name -> callable computing ``dW_g = x_g^T . dy_g`` ([G, K, N])."""
-    xq, xs = _rowwise(x.t().contiguous(), -1)  # per column k, over all tokens (row-major)
-    gq, gs = _rowwise(dy.t().contiguous(), -1)
+    """name -> callable computing ``dW_g^T = dy_g^T . x_g`` ([G, N, K])."""
+    xq, xs, gq, gs = triton_quantize.per_group_pair(x, dy, offs)  # column-major data
     return {
-        "bf16": lambda: torch._grouped_mm(x.t(), dy, offs=offs),
+        "bf16": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
         "torch_rowwise": lambda: torch._scaled_grouped_mm(
-            xq,
             gq.t(),
-            xs.view(-1),
-            gs.view(-1),
+            column_major(xq),
+            gs.reciprocal().reshape(-1),
+            xs.reciprocal().reshape(-1),
             offs=offs,
             out_dtype=torch.bfloat16,
             use_fast_accum=True,
@@ -178,18 +184,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--shapes", help="comma-separated names of SHAPES (default: all)")
     parser.add_argument("--out", default="outputs/benchmarks/grouped_backends.json")
     args = parser.parse_args()
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
-    names = QUICK if args.quick else tuple(SHAPES)
+    names = args.shapes.split(",") if args.shapes else QUICK if args.quick else tuple(SHAPES)
     print(
         f"{'shape':14} {'gemm':6} {'backend':22} {'ms':>8} {'spread':>7} {'TFLOP/s':>8} "
         f"{'x bf16':>7} {'SQNR':>6}"
     )
     for name in names:
         m, g, k, n = SHAPES[name]
-        sizes = _group_sizes(m, g, 128).cuda()
+        sizes = _group_sizes(m, g, 16).cuda()  # routing's alignment
         offs = sizes.cumsum(0).to(torch.int32)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w_nk = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
