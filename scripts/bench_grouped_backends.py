@@ -1,6 +1,6 @@
 """fp8 grouped GEMM kernels from registry packages against torch's, at the per-GPU expert shapes.
 
-    python scripts/bench_grouped_backends.py [--quick | --shapes S,..] [--repeat N]
+    python scripts/bench_grouped_backends.py [--quick | --shapes S,..] [--repeat N] [--align 16]
         [--out outputs/benchmarks/grouped_backends.json]
 
 For each shape (routed rows M, local experts G, K -> N) and each GEMM of an expert projection
@@ -9,16 +9,22 @@ the w1/w2 rows of a model cover both) it times, on operands quantized beforehand
 
 - ``bf16``: ``torch._grouped_mm`` (what an unconverted model runs);
 - ``torch_rowwise``: ``torch._scaled_grouped_mm`` on float8_moe's quantizers' operands (its kernel);
+- ``torch_rowwise_per_group``: one dense ``torch._scaled_mm`` per group, group bounds read on the
+  host beforehand (what a caller that synced once per layer could run);
+- ``torch_rowwise_dense``: one dense ``_scaled_mm`` of all M rows by one expert: the same FLOPs
+  at the dense kernel's rate, a bound (its SQNR against the grouped product means nothing);
 - ``fbgemm_rowwise``: fbgemm-gpu-genai's CUTLASS ``f8f8bf16_rowwise_grouped_stacked``;
 - ``fbgemm_triton_rowwise``: fbgemm-gpu-genai's Triton ``grouped_gemm_fp8_rowwise``;
 - ``fbgemm_blockwise``: fbgemm-gpu-genai's CUTLASS ``f8f8bf16_groupwise_grouped`` (1x128 / 128x128);
 - and the weight-gradient GEMM (``dW_g^T = dy_g^T . x_g``, over each group's tokens, as
-  float8_moe computes it, on float8_moe's quantizers' operands): bf16, torch_rowwise.
+  float8_moe computes it, on float8_moe's quantizers' operands): bf16, torch_rowwise,
+  torch_rowwise_per_group.
 
 Each result is checked against the bf16 product (SQNR, dB) before it is timed; a backend that does
 not import or fails on this machine is reported with its error. Times are triton ``do_bench``
 medians; with ``--repeat N`` the backends are timed N times, interleaved, and the row keeps the
-median and the spread. Needs CUDA with fp8 (sm89+); fbgemm-gpu-genai is optional.
+median and the spread. Groups are uneven multiples of ``--align`` rows (routing pads to 16).
+Needs CUDA with fp8 (sm89+); fbgemm-gpu-genai is optional.
 """
 
 import argparse
@@ -97,17 +103,21 @@ def _forward_backends(x, w_nk, sizes, offs):
     a, a_scale = triton_quantize.rows(x)
     b, b_scale, _ = triton_quantize.weight(w_nk.transpose(-2, -1))
     b = column_major(b)
+    a_inverse, b_inverse = a_scale.reciprocal(), b_scale.reciprocal()
     backends = {
         "bf16": lambda: torch._grouped_mm(x, w_nk.transpose(-2, -1), offs=offs),
         "torch_rowwise": lambda: torch._scaled_grouped_mm(
             a,
             b,
-            a_scale.reciprocal().squeeze(-1),
-            b_scale.reciprocal().squeeze(-2),
+            a_inverse.squeeze(-1),
+            b_inverse.squeeze(-2),
             offs=offs,
             out_dtype=torch.bfloat16,
             use_fast_accum=True,
         ),
+        "torch_rowwise_per_group": _per_group_forward(a, a_inverse, b, b_inverse, sizes),
+        # One dense GEMM of all M rows by expert 0: the rate the grouped GEMM could reach.
+        "torch_rowwise_dense": lambda: _dense(a, b[0], a_inverse, b_inverse[0]),
     }
     try:
         ops = _fbgemm()
@@ -135,20 +145,64 @@ def _forward_backends(x, w_nk, sizes, offs):
     return backends
 
 
-def _wgrad_backends(x, dy, offs):
+def _dense(a, b, a_inverse, b_inverse, out=None):
+    return torch._scaled_mm(
+        a, b, a_inverse, b_inverse, out_dtype=torch.bfloat16, use_fast_accum=True, out=out
+    )
+
+
+def _bounds(sizes: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(group, first row, end row) of each non-empty group, on the host (one sync, outside
+    the timed call, as a caller that synced once per layer would have them)."""
+    ends = sizes.cumsum(0).tolist()
+    pairs = enumerate(zip(sizes.tolist(), ends, strict=True))
+    return [(g, end - size, end) for g, (size, end) in pairs if size]
+
+
+def _per_group_forward(a, a_inverse, b, b_inverse, sizes):
+    """The grouped forward as one dense ``_scaled_mm`` per group into slices of one output."""
+    bounds = _bounds(sizes)
+
+    def run():
+        out = a.new_empty((a.shape[0], b.shape[-1]), dtype=torch.bfloat16)
+        for g, start, end in bounds:
+            _dense(a[start:end], b[g], a_inverse[start:end], b_inverse[g], out=out[start:end])
+        return out
+
+    return run
+
+
+def _wgrad_backends(x, dy, offs, sizes):
     """name -> callable computing ``dW_g^T = dy_g^T . x_g`` ([G, N, K])."""
     xq, xs, gq, gs = triton_quantize.per_group_pair(x, dy, offs)  # column-major data
+    xq = column_major(xq)
+    gs_inverse, xs_inverse = gs.reciprocal(), xs.reciprocal()
+    bounds = _bounds(sizes)
+
+    def per_group():
+        out = x.new_zeros((offs.shape[0], dy.shape[1], x.shape[1]))
+        for g, start, end in bounds:
+            _dense(
+                gq.t()[:, start:end],
+                xq[start:end],
+                gs_inverse[g].view(-1, 1),
+                xs_inverse[g].view(1, -1),
+                out=out[g],
+            )
+        return out
+
     return {
         "bf16": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
         "torch_rowwise": lambda: torch._scaled_grouped_mm(
             gq.t(),
-            column_major(xq),
-            gs.reciprocal().reshape(-1),
-            xs.reciprocal().reshape(-1),
+            xq,
+            gs_inverse.reshape(-1),
+            xs_inverse.reshape(-1),
             offs=offs,
             out_dtype=torch.bfloat16,
             use_fast_accum=True,
         ),
+        "torch_rowwise_per_group": per_group,
     }
 
 
@@ -185,10 +239,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--shapes", help="comma-separated names of SHAPES (default: all)")
+    parser.add_argument(
+        "--align", type=int, default=16, help="row multiple of each group (routing pads to 16)"
+    )
     parser.add_argument("--out", default="outputs/benchmarks/grouped_backends.json")
     args = parser.parse_args()
     torch.manual_seed(0)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "align": args.align,
+        "shapes": {},
+    }
     names = args.shapes.split(",") if args.shapes else QUICK if args.quick else tuple(SHAPES)
     print(
         f"{'shape':14} {'gemm':6} {'backend':22} {'ms':>8} {'spread':>7} {'TFLOP/s':>8} "
@@ -196,7 +258,7 @@ def main() -> None:
     )
     for name in names:
         m, g, k, n = SHAPES[name]
-        sizes = _group_sizes(m, g, 16).cuda()  # routing's alignment
+        sizes = _group_sizes(m, g, args.align).cuda()
         offs = sizes.cumsum(0).to(torch.int32)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w_nk = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -204,7 +266,7 @@ def main() -> None:
         flops = 2.0 * m * k * n
         fwd = _forward_backends(x, w_nk, sizes, offs)
         fwd_rows = _time_all(fwd, fwd["bf16"](), args.repeat, flops)
-        wgrad = _wgrad_backends(x, dy, offs)
+        wgrad = _wgrad_backends(x, dy, offs, sizes)
         wgrad_rows = _time_all(wgrad, wgrad["bf16"](), args.repeat, flops)
         results["shapes"][name] = {
             "M": m,

@@ -33,8 +33,10 @@ each number is the median over rounds:
 torchao converts the routed experts only (its path leaves the shared expert in bf16, and wrapping
 the shared expert's ``nn.Linear`` weights only adds overhead: ``bench_moe.py``'s shared_linear);
 float8_moe converts routed and shared experts (the converter's default ``fqns``). fp8 needs
-token groups aligned to 16, so every implementation pads to 16. Writes JSON rows (after every
-case) and a PNG next to them, and prints a table. Needs CUDA with fp8 (sm89+), except --dry-run.
+token groups aligned to 16, so every implementation pads to ``--align`` (16; float8_moe to
+``--fp8-align`` where given). Writes JSON rows
+(after every case) and a PNG next to them, and prints a table. Needs CUDA with fp8 (sm89+),
+except --dry-run.
 """
 
 import argparse
@@ -211,8 +213,9 @@ class Clock:
 class Case:
     """One implementation of one (preset, tokens, mode): its layer, input and step."""
 
-    def __init__(self, base, impl, mode, x, grad, emulate):
+    def __init__(self, base, impl, mode, x, grad, emulate, align):
         self.impl = impl
+        self.align = align
         self.layer = convert(copy.deepcopy(base), impl, emulate, x.shape[0] * x.shape[1], mode)
         self.fn = self.layer
         if mode == "compiled":
@@ -231,6 +234,9 @@ class Case:
             p.grad = None
 
     def step(self):
+        from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+
+        set_token_group_alignment_size_m(self.align)  # read by the routing of each call
         out = self.fn(self.x)
         out.backward(self.grad)
         return out
@@ -343,7 +349,9 @@ def run_case(preset, tokens, mode, impls, args, device, clock) -> list[dict]:
     cases, errors = {}, {}
     for impl in impls:
         try:
-            case = Case(base, impl, mode, x, grad, args.dry_run)
+            fp8 = impl.startswith("float8_moe") and args.fp8_align
+            align = args.fp8_align if fp8 else args.align
+            case = Case(base, impl, mode, x, grad, args.dry_run, align)
             case.first_call(clock)
             cases[impl] = case
         except Exception as e:  # noqa: BLE001 - reported in the table
@@ -373,6 +381,7 @@ def run_case(preset, tokens, mode, impls, args, device, clock) -> list[dict]:
             "mode": mode,
             "impl": impl,
             "label": args.label,
+            "align": cases[impl].align if impl in cases else None,
             **cfg,
             "routed_rows": tokens * cfg["top_k"],
             "expert_load_max_over_mean": round(imbalance, 3),
@@ -566,6 +575,10 @@ def main() -> None:
     parser.add_argument(
         "--round-ms", type=float, default=300.0, help="aim of each round's calls of one kind"
     )
+    parser.add_argument(
+        "--align", type=int, default=16, help="token-group row multiple (fp8 GEMMs need 16)"
+    )
+    parser.add_argument("--fp8-align", type=int, help="float8_moe's own (default: --align)")
     parser.add_argument("--label", default="run", help="names the run in the rows: cold, warm")
     parser.add_argument("--budget-s", type=float, default=None, help="start no case after this")
     parser.add_argument("--top", type=int, default=8, help="kernels per row in top_kernels_ms")
@@ -613,7 +626,7 @@ def main() -> None:
         device = torch.device("cuda")
     from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
-    set_token_group_alignment_size_m(16)  # fp8 grouped GEMMs need 16-row token groups
+    set_token_group_alignment_size_m(args.align)
     torch._dynamo.config.cache_size_limit = 64
     torch._dynamo.config.automatic_dynamic_shapes = False
     clock = Clock(device)

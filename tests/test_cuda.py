@@ -60,6 +60,26 @@ def test_cuda_kernels_match_emulation(forward, shape, dtype):
     [(_routed, (E, H, D)), (_grouped_shared, (1, H, D)), (_linear, (H, D))],
     ids=["routed", "grouped_shared", "linear"],
 )
+def test_cuda_autocast_gives_the_plain_weights_dtype(forward, shape):
+    """Under CUDA autocast (torchtitan's single-GPU and DDP runs) an fp32 activation times a
+    converted fp32 weight comes out in the dtype the plain weight gives, within the SQNR bar
+    of that product."""
+    torch.manual_seed(0)
+    w = torch.randn(shape, device="cuda") * 0.02
+    x = torch.randn(M, D, device="cuda")
+    weight = Float8MoEWeight(w.clone(), WeightConfig(emulate=False))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = forward(x, w)
+        out = forward(x, weight)
+    assert out.dtype == expected.dtype
+    assert sqnr(expected.float(), out.float()) > 23
+
+
+@pytest.mark.parametrize(
+    "forward,shape",
+    [(_routed, (E, H, D)), (_grouped_shared, (1, H, D)), (_linear, (H, D))],
+    ids=["routed", "grouped_shared", "linear"],
+)
 def test_blockwise_cuda_kernels_match_emulation(forward, shape):
     """The blockwise recipe's CUDA GEMMs (fp8/kernels/blockwise_gemm.py) against its emulation:
     same fp8 operands and scales (OFFS' groups start at multiples of 128, as the CUDA kernels'

@@ -106,6 +106,39 @@ def test_call_form_runs_in_fp8(form):
     assert_fp8(out, a, b)
 
 
+# Each handled op on an fp32 activation x [M, D] and a weight w [1, H, D] (converted or plain).
+AUTOCAST_FORMS = {
+    "linear": lambda x, w: F.linear(x, w[0]),
+    "linear(bias)": lambda x, w: F.linear(x, w[0], torch.ones(H)),
+    "matmul": lambda x, w: torch.matmul(x, w[0].t()),
+    "@": lambda x, w: x @ w[0].t(),
+    "mm": lambda x, w: torch.mm(x, w[0].t()),
+    "bmm": lambda x, w: torch.bmm(x[None], w.transpose(-2, -1)),
+    "_grouped_mm": lambda x, w: torch._grouped_mm(
+        x, w.transpose(-2, -1), offs=torch.tensor([M], dtype=torch.int32)
+    ),
+}
+
+
+@pytest.mark.parametrize("form", AUTOCAST_FORMS)
+def test_call_form_follows_autocast(form):
+    """Under autocast (torchtitan trains single-device and DDP runs under it) a converted
+    weight's matmul gives the dtype that the same call with the plain weight gives (bf16 for
+    the ops autocast lowers: fp32 there doubled every later activation's memory), the fp8
+    product of the activation as autocast casts it, and gradients reach the fp32 input."""
+    plain, w = _weight()
+    x = X.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = AUTOCAST_FORMS[form](X, plain)
+        out = AUTOCAST_FORMS[form](x, w)
+    assert out.dtype == expected.dtype
+    bias = 1.0 if "bias" in form else 0.0
+    reference = fp8_product(X.to(out.dtype), plain[0].t()) + bias
+    assert sqnr(reference, out.detach().reshape(reference.shape)) > 40
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("form", RAISING_FORMS)
 def test_unsupported_call_form_raises(form):
     _, w = _weight()

@@ -6,7 +6,7 @@ import torch
 from ..fp8.recipes import Recipe
 from ..fp8.scaled_grouped_mm import WeightSource
 from .config import WeightConfig
-from .matmuls import MATMUL_HANDLERS
+from .matmuls import AUTOCAST_LOWER_PRECISION, MATMUL_HANDLERS
 
 
 def fp8_kernels_available(device: torch.device) -> bool:
@@ -49,6 +49,30 @@ class Fp8Weight(torch.Tensor):
                     f"(shape {list(a.shape)}) is not supported; the weight must be the right "
                     "operand"
                 )
-            return handler(a, weight, *args[2:], **kwargs)
+            rest = args[2:]
+            if func.__name__ in AUTOCAST_LOWER_PRECISION:
+                a, rest, kwargs = _as_autocast(a, rest, kwargs)
+            return handler(a, weight, *rest, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def _as_autocast(a: torch.Tensor, rest: tuple, kwargs: dict) -> tuple:
+    """The operands other than the weight as autocast would hand them to the op: cast to its
+    dtype where it is on for ``a``'s device. Overrides run before autocast sees the op, and
+    without this an fp32 activation (single-device and DDP runs: torchtitan trains under
+    autocast there) came out fp32 where bf16's op gives bf16, doubling the memory of every
+    activation after it. The weight is quantized from its own values either way."""
+    device_type = a.device.type
+    if not (
+        a.is_floating_point()
+        and torch.amp.is_autocast_available(device_type)  # not on meta
+        and torch.is_autocast_enabled(device_type)
+    ):
+        return a, rest, kwargs
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    return cast(a), tuple(map(cast, rest)), {k: cast(v) for k, v in kwargs.items()}

@@ -67,6 +67,10 @@ def _bmm(a, weight):
     return _fp8_matmul_of(a, weight)
 
 
+# The handled ops that autocast runs in its lower-precision dtype (linear layers and matmuls;
+# ``_grouped_mm`` is not among them, and torchtitan casts its operands to bf16 itself).
+AUTOCAST_LOWER_PRECISION = frozenset({"linear", "matmul", "__matmul__", "mm", "bmm"})
+
 MATMUL_HANDLERS: dict[str, Callable] = {
     "_grouped_mm": _grouped_mm,
     "linear": _linear,
