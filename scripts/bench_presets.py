@@ -34,9 +34,8 @@ torchao converts the routed experts only (its path leaves the shared expert in b
 the shared expert's ``nn.Linear`` weights only adds overhead: ``bench_moe.py``'s shared_linear);
 float8_moe converts routed and shared experts (the converter's default ``fqns``). fp8 needs
 token groups aligned to 16, so every implementation pads to ``--align`` (16; float8_moe to
-``--fp8-align`` where given). Writes JSON rows
-(after every case) and a PNG next to them, and prints a table. Needs CUDA with fp8 (sm89+),
-except --dry-run.
+``--fp8-align`` where given). Writes JSON rows (after every case) and a PNG next to them, and
+prints a table. Needs CUDA with fp8 (sm89+), except --dry-run.
 """
 
 import argparse
@@ -624,9 +623,6 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("needs CUDA (or --dry-run)")
         device = torch.device("cuda")
-    from torchtitan.models.moe.utils import set_token_group_alignment_size_m
-
-    set_token_group_alignment_size_m(args.align)
     torch._dynamo.config.cache_size_limit = 64
     torch._dynamo.config.automatic_dynamic_shapes = False
     clock = Clock(device)

@@ -10,8 +10,9 @@ Reads snapshots of ``torch.cuda.memory._snapshot()`` taken with
 - the blocks alive at that peak, summed by allocation site (the innermost frames outside
   torch's own modules), blocks made before the trace began counted as one line;
 - every growth of reserved memory (segment allocations and mappings), with the allocated
-  memory then and the site that asked for it: reserved memory only grows, so the largest of
-  these says which moment set the run's peak reserved.
+  memory then and the site that asked for it: without ``empty_cache`` reserved memory only
+  grows, so the last of these set the run's peak reserved, and a growth while much of the
+  reserved memory is free points at fragmentation.
 
 With several snapshots (a bf16 and an fp8 run) the site table has a column for each.
 """
@@ -52,6 +53,10 @@ def _frees(trace: list[dict]) -> str:
     return "free_completed" if "free_completed" in actions else "free_requested"
 
 
+_GROW = ("segment_alloc", "segment_map")
+_SHRINK = ("segment_free", "segment_unmap")
+
+
 def analyze(snapshot: dict, device: int = 0) -> dict:
     trace = snapshot["device_traces"][device]
     free_action = _frees(trace)
@@ -74,35 +79,22 @@ def analyze(snapshot: dict, device: int = 0) -> dict:
     before_trace += sum(
         size for addr, size in active_at_end.items() if addr not in allocated_in_trace
     )
-    net_reserved = sum(
-        e["size"] * (1 if e["action"] in ("segment_alloc", "segment_map") else -1)
+    reserved = reserved_at_end - sum(
+        e["size"] * (1 if e["action"] in _GROW else -1)
         for e in trace
-        if e["action"] in ("segment_alloc", "segment_map", "segment_free", "segment_unmap")
+        if e["action"] in _GROW + _SHRINK
     )
-    reserved = reserved_at_end - net_reserved
-    live: dict[int, tuple[int, list]] = {}
-    allocated = before_trace
-    peak = {"allocated": allocated, "event": None, "live": dict(live), "before": before_trace}
-    growths = []
+    # First pass: the allocated memory after each event, its peak, the reserved growths.
+    allocated, peak_allocated, peak_event, growths = before_trace, before_trace, None, []
     for index, event in enumerate(trace):
         action = event["action"]
         if action == "alloc":
-            live[event["addr"]] = (event["size"], event.get("frames", []))
             allocated += event["size"]
-            if allocated > peak["allocated"]:
-                peak = {
-                    "allocated": allocated,
-                    "event": index,
-                    "live": dict(live),
-                    "before": before_trace,
-                }
+            if allocated > peak_allocated:
+                peak_allocated, peak_event = allocated, index
         elif action == free_action:
-            if event["addr"] in live:
-                live.pop(event["addr"])
-            else:
-                before_trace -= event["size"]
             allocated -= event["size"]
-        elif action in ("segment_alloc", "segment_map"):
+        elif action in _GROW:
             reserved += event["size"]
             growths.append(
                 {
@@ -113,18 +105,27 @@ def analyze(snapshot: dict, device: int = 0) -> dict:
                     "site": site(event.get("frames", [])),
                 }
             )
-        elif action in ("segment_free", "segment_unmap"):
+        elif action in _SHRINK:
             reserved -= event["size"]
+    # Second pass, up to the peak: which blocks were alive there.
+    live: dict[int, tuple[int, list]] = {}
+    before_at_peak = before_trace
+    for event in trace[: 0 if peak_event is None else peak_event + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], event.get("frames", []))
+        elif event["action"] == free_action:
+            if live.pop(event["addr"], None) is None:
+                before_at_peak -= event["size"]
     by_site = collections.Counter()
-    for size, frames in peak["live"].values():
+    for size, frames in live.values():
         by_site[site(frames)] += size
-    by_site["(alive before the trace began)"] += peak["before"]
-    peak_event = trace[peak["event"]] if peak["event"] is not None else {}
+    by_site["(alive before the trace began)"] += before_at_peak
+    peak_frames = trace[peak_event].get("frames", []) if peak_event is not None else []
     return {
         "events": len(trace),
-        "peak_allocated_gib": round(peak["allocated"] / GIB, 3),
-        "peak_event": peak["event"],
-        "peak_site": site(peak_event.get("frames", [])),
+        "peak_allocated_gib": round(peak_allocated / GIB, 3),
+        "peak_event": peak_event,
+        "peak_site": site(peak_frames),
         "peak_by_site_gib": {k: round(v / GIB, 3) for k, v in by_site.most_common()},
         "reserved_at_end_gib": round(reserved_at_end / GIB, 3),
         "reserved_growths": growths,
