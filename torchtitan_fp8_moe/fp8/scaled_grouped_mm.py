@@ -81,8 +81,9 @@ def _weight_grad_first(ctx, a, offs, quantize) -> bool:
     So: first where b^T's fp8 copy exists anyway (fp8 all-gather payloads, the weight cache)
     or is smaller than a's (M > G * N: many tokens, small experts). (``holds`` first: it is
     False in compiled code, which then compares no symbolic sizes.)"""
+    keeps_copies = ctx.cached is not None and ctx.cached.keeps_copies
     return cast_reuse.holds(quantize.per_group_pair, a, offs) and (
-        ctx.payload_count > 0 or ctx.cached is not None or a.shape[0] > ctx.b_columns
+        ctx.payload_count > 0 or keeps_copies or a.shape[0] > ctx.b_columns
     )
 
 

@@ -30,16 +30,24 @@ it, so later copies get a fresh one.
 
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 _live_caches: "weakref.WeakSet[WeightQuantCache]" = weakref.WeakSet()
 
 Quantized = tuple[torch.Tensor, ...]  # fp8 data, scales (, the amax of the other orientation)
-# What the fp8 GEMM calls for its weight's fp8 copy: (b, orientation, quantize) -> quantize(b)
-# or an equal copy it already holds.
-WeightQuantizer = Callable[[torch.Tensor, str, Callable[[torch.Tensor], Quantized]], Quantized]
+
+
+class WeightQuantizer(Protocol):
+    """What the fp8 GEMM calls for its weight's fp8 copy: (b, orientation, quantize) ->
+    ``quantize`` of the values b stands for, or an equal copy it already holds."""
+
+    keeps_copies: bool  # its copies outlive the GEMM (then the backward's order rule counts them)
+
+    def __call__(
+        self, b: torch.Tensor, orientation: str, quantize: Callable[[torch.Tensor], Quantized]
+    ) -> Quantized: ...
 
 
 class WeightPayloads(NamedTuple):
@@ -137,8 +145,33 @@ def clear_all() -> None:
 class CachedWeightQuantizer:
     """One weight's cache, handed to the fp8 matmul."""
 
+    keeps_copies = True
+
     def __init__(self, cache: WeightQuantCache):
         self.cache = cache
 
     def __call__(self, b: torch.Tensor, orientation: str, quantize) -> Quantized:
         return self.cache.quantize(b, orientation, quantize)
+
+
+class SourceValuesQuantizer:
+    """Quantizes the values a lazily cast weight was cast from (``weight/tensor.py``), through
+    their cache if they have one: the GEMM's ``b`` then holds only the cast's shape and dtype."""
+
+    def __init__(self, values: Callable[[], torch.Tensor], cache: WeightQuantCache | None):
+        self.values = values  # returns the source values in b's layout, or raises if stale
+        self.cache = cache
+        self.keeps_copies = cache is not None
+
+    def __call__(self, b: torch.Tensor, orientation: str, quantize) -> Quantized:
+        values = self.values()
+        if values.dim() == b.dim() - 1 and b.shape[0] == 1:
+            values = values.unsqueeze(0)  # fp8_matmul's 2D weight as one group
+        if values.shape != b.shape:
+            raise AssertionError(
+                f"float8_moe: the cast weight's values {list(values.shape)} do not match the "
+                f"GEMM operand {list(b.shape)}"
+            )
+        if self.cache is None:
+            return quantize(values)
+        return self.cache.quantize(values, orientation, quantize)

@@ -21,9 +21,10 @@ class Fp8Weight(torch.Tensor):
     def emulate(self) -> bool:
         return self.config.emulate
 
-    def fp8_operand(self) -> tuple[torch.Tensor, WeightSource]:
-        """(the matmul's right operand ``b``, where its fp8 copies come from: a weight
-        quantizer, the payloads, or None to quantize ``b``)."""
+    def fp8_operand(self, transpose: bool = False) -> tuple[torch.Tensor, WeightSource]:
+        """(the matmul's right operand ``b``: this weight, or with ``transpose`` its last two
+        dims swapped; where its fp8 copies come from: a weight quantizer, the payloads, or
+        None to quantize ``b``)."""
         raise NotImplementedError
 
     def fp8_path(self) -> tuple[Recipe, bool]:
@@ -76,3 +77,27 @@ def _as_autocast(a: torch.Tensor, rest: tuple, kwargs: dict) -> tuple:
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     return cast(a), tuple(map(cast, rest)), {k: cast(v) for k, v in kwargs.items()}
+
+
+class _ShapeOnly(torch.autograd.Function):
+    """A plain tensor of a weight's shape and dtype holding no values, for the fp8 GEMM to
+    return the weight gradient through where its fp8 copies come from elsewhere."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        return shape_only(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def shape_only(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``t``'s shape, dtype and device holding no values (one element,
+    expanded)."""
+    return torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+
+
+def shape_only_operand(weight: torch.Tensor) -> torch.Tensor:
+    """``shape_only(weight)``, differentiable: gradients flow back to ``weight``."""
+    return _ShapeOnly.apply(weight)

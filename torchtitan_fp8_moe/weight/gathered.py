@@ -6,22 +6,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..fp8.weight_cache import WeightPayloads
-from .base import Fp8Weight
+from .base import Fp8Weight, shape_only, shape_only_operand
 from .config import WeightConfig
 from .ops import Kind, dispatch_kind
-
-
-class _ShapeOnly(torch.autograd.Function):
-    """A plain tensor of the gathered weight's shape and dtype holding no values (one element,
-    expanded), for the fp8 GEMM to return the weight gradient through."""
-
-    @staticmethod
-    def forward(ctx, weight: "Float8GatheredWeight") -> torch.Tensor:
-        return _shape_only(weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
 class Float8GatheredWeight(Fp8Weight):
@@ -81,10 +68,12 @@ class Float8GatheredWeight(Fp8Weight):
             "right operand runs on it. Set `[float8_moe] fp8_all_gather = false` for this use."
         )
 
-    def fp8_operand(self) -> tuple[torch.Tensor, WeightPayloads]:
+    def fp8_operand(self, transpose: bool = False) -> tuple[torch.Tensor, WeightPayloads]:
+        if transpose:
+            raise self._unsupported("F.linear")
         if not self.transposed:
             raise self._unsupported("a matmul with w itself (not w.transpose(-2, -1))")
-        return _ShapeOnly.apply(self), self._payloads()
+        return shape_only_operand(self), self._payloads()
 
     def high_precision(self) -> torch.Tensor:
         raise self._unsupported("high_precision()")
@@ -119,7 +108,7 @@ class Float8GatheredWeight(Fp8Weight):
         kind = dispatch_kind(func)
         if kind in (Kind.UNRELATED_VALUES, Kind.NEW_WEIGHT):
             # zeros_like (FSDP's zero gradient), empty_like: the shape only, no values.
-            plain = pytree.tree_map_only(cls, _shape_only, (args, kwargs))
+            plain = pytree.tree_map_only(cls, shape_only, (args, kwargs))
             return func(*plain[0], **plain[1])
         if kind is Kind.VIEW:
             meta_args, meta_kwargs = pytree.tree_map_only(cls, _meta_like, (args, kwargs))
@@ -128,12 +117,6 @@ class Float8GatheredWeight(Fp8Weight):
             if view is not None:
                 return view
         raise source._unsupported(str(func))
-
-
-def _shape_only(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor of ``t``'s shape, dtype and device holding no values (one element,
-    expanded)."""
-    return torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 def _swap_last_two(values) -> tuple:

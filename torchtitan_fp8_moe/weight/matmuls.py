@@ -33,8 +33,8 @@ def _unsupported_form(name: str, a, weight, supported: str):
 def _linear(x, weight, bias=None):
     if weight.ndim != 2:
         raise _unsupported_form("F.linear", x, weight, "a 2D weight [N, K]")
-    b, source = weight.fp8_operand()
-    out = fp8_matmul(x, b.t(), *weight.fp8_path(), source)
+    b, source = weight.fp8_operand(transpose=True)
+    out = fp8_matmul(x, b, *weight.fp8_path(), source)
     return out if bias is None else out + bias
 
 

@@ -6,6 +6,10 @@ op's schema and tags (``ops.py``), so a new op falls on the safe side:
 - views and aliases (``func.is_view``, or a return that aliases an input: ``squeeze``, ``unbind``,
   ``expand``, ``t``, FSDP's chunks) stay wrapped and share the weight's fp8 cache;
 - copies (``_to_copy``, ``clone``, ``*_copy`` ops) stay wrapped, with a cache of their own;
+  the forward's cast of an fp32 parameter to bf16 (torchtitan's ``w.bfloat16()`` where no
+  FSDP casts) is lazy: it holds the fp32 values, its matmuls quantize them directly (one
+  rounding instead of two) and any other op sees them rounded to bf16, so no bf16 copy of the
+  weight lives from forward to backward (``_lazy_cast_dtype``);
 - pointwise ops (``w * 2``, an optimizer's ``grad + wd * w``), collectives and zero padding
   (DTensor's ``full_tensor()``) give a new wrapped weight, so what is computed from the weight is
   still multiplied in fp8 only;
@@ -31,12 +35,14 @@ from torch._prims_common import suggest_memory_format
 from torch.distributed.tensor import DTensor
 
 from ..fp8 import gathered
-from ..fp8.weight_cache import CachedWeightQuantizer, WeightQuantCache
+from ..fp8.weight_cache import CachedWeightQuantizer, SourceValuesQuantizer, WeightQuantCache
 from ..sharding import padded_shard_shape, sharded_dim
-from .base import Fp8Weight
+from .base import Fp8Weight, shape_only_operand
 from .config import WeightConfig
 from .gathered import Float8GatheredWeight, check_views, contiguous_strides
 from .ops import Kind, could_feed_a_matmul, dispatch_kind, wrap_floats, written_arguments
+
+aten = torch.ops.aten
 
 
 class _Unwrap(torch.autograd.Function):
@@ -44,7 +50,7 @@ class _Unwrap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight: "Float8MoEWeight") -> torch.Tensor:
-        return weight._data
+        return weight._values()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -56,25 +62,29 @@ class Float8MoEWeight(Fp8Weight):
     # With config.cache_fp8: the fp8 copies shared by this weight and every view of it
     # (fp8/weight_cache.py says when they are valid).
     _cache: WeightQuantCache | None
+    # A lazy cast (and its views): the parameter it was cast from and that parameter's version
+    # then. ``_data`` holds the parameter's values in this weight's layout, in their own dtype.
+    _cast_from: tuple[torch.Tensor, int] | None
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, config: WeightConfig):
+    def __new__(cls, data: torch.Tensor, config: WeightConfig, dtype: torch.dtype | None = None):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
             strides=data.stride(),
             storage_offset=data.storage_offset(),
             memory_format=suggest_memory_format(data),
-            dtype=data.dtype,
+            dtype=dtype or data.dtype,
             layout=data.layout,
             device=data.device,
             requires_grad=data.requires_grad,
         )
 
-    def __init__(self, data: torch.Tensor, config: WeightConfig):
+    def __init__(self, data: torch.Tensor, config: WeightConfig, dtype: torch.dtype | None = None):
         self._data = data
         self.config = config
         self._cache = None
+        self._cast_from = None
         if config.cache_fp8:
             self._cache = WeightQuantCache()
             self._cache.watch(data)
@@ -88,15 +98,40 @@ class Float8MoEWeight(Fp8Weight):
         return self.config.fp8_all_gather
 
     def _derived(
-        self, data: torch.Tensor, cache: WeightQuantCache | None, watch: bool = True
+        self,
+        data: torch.Tensor,
+        cache: WeightQuantCache | None,
+        watch: bool = True,
+        lazy_cast: tuple[torch.dtype, tuple] | None = None,
     ) -> "Float8MoEWeight":
         """A weight computed from this one: same config, the given fp8 cache, which treats a
-        write into ``data`` as a change of the values if ``watch``."""
-        derived = Float8MoEWeight(data, replace(self.config, cache_fp8=False))
+        write into ``data`` as a change of the values if ``watch``; with ``lazy_cast`` (its
+        dtype, ``_cast_from``) a lazy cast holding ``data``."""
+        dtype = None if lazy_cast is None else lazy_cast[0]
+        derived = Float8MoEWeight(data, replace(self.config, cache_fp8=False), dtype)
         derived.config, derived._cache = self.config, cache
+        if lazy_cast is not None:
+            derived._cast_from = lazy_cast[1]
         if cache is not None and watch:
             cache.watch(data)
         return derived
+
+    def _source_values(self) -> torch.Tensor:
+        """A lazy cast's ``_data``, after checking that its parameter was not written since."""
+        parameter, version = self._cast_from
+        if parameter._version != version:
+            raise RuntimeError(
+                f"float8_moe: a {self.dtype} cast of a converted weight of shape "
+                f"{list(parameter.shape)} was used after the weight was written; the cast is "
+                "lazy (it holds no copy of the values). Cast again after the write."
+            )
+        return self._data
+
+    def _values(self) -> torch.Tensor:
+        """The plain values this weight holds: a lazy cast makes its copy here."""
+        if self._cast_from is None:
+            return self._data
+        return self._source_values().to(self.dtype)
 
     def _view(self, data: torch.Tensor) -> "Float8MoEWeight":
         """A view of this weight (same values): it shares the fp8 cache."""
@@ -127,6 +162,11 @@ class Float8MoEWeight(Fp8Weight):
         return f"Float8MoEWeight({self.config}, data={self._data!r})"
 
     def __tensor_flatten__(self):
+        if self._cast_from is not None:
+            raise NotImplementedError(
+                f"float8_moe: a lazy {self.dtype} cast of a converted weight "
+                f"{list(self.shape)} cannot enter a compiled region; cast inside it"
+            )
         return ["_data"], self.config
 
     @classmethod
@@ -141,8 +181,20 @@ class Float8MoEWeight(Fp8Weight):
             return None
         return CachedWeightQuantizer(self._cache)
 
-    def fp8_operand(self) -> tuple[torch.Tensor, CachedWeightQuantizer | None]:
-        return _Unwrap.apply(self), self._cached_quantizer()
+    def fp8_operand(self, transpose: bool = False):
+        if self._cast_from is None:
+            b = _Unwrap.apply(self)
+            return (b.transpose(-2, -1) if transpose else b), self._cached_quantizer()
+        # A lazy cast: the GEMM quantizes the parameter's values; b carries the cast's shape
+        # and dtype, so the weight gradient comes back in the cast's dtype.
+        b = shape_only_operand(self)
+        cache = None if torch.compiler.is_compiling() else self._cache
+
+        def values():
+            data = self._source_values()
+            return data.transpose(-2, -1) if transpose else data
+
+        return (b.transpose(-2, -1) if transpose else b), SourceValuesQuantizer(values, cache)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -162,7 +214,27 @@ class Float8MoEWeight(Fp8Weight):
                 f"float8_moe: {func} changes the shape or strides of a converted weight "
                 f"{shapes[0]} in place, which it cannot follow; use the out-of-place op"
             )
-        plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs))
+        source = weights[0]
+        if kind is Kind.COPY:
+            lazy_dtype = _lazy_cast_dtype(func, args, kwargs)
+            if lazy_dtype is not None:
+                return source._derived(
+                    source._data, source._cache, lazy_cast=(lazy_dtype, (source, source._version))
+                )
+        if source._cast_from is not None:
+            if kind is Kind.MUTATION and any(
+                w is source for w in written_arguments(func, args, kwargs)
+            ):
+                raise NotImplementedError(
+                    f"float8_moe: {func} writes into a {source.dtype} cast of a converted "
+                    f"weight {shapes[0]}, which holds no copy of its own (the cast is lazy); "
+                    "write into the weight, or into `.clone()` of the cast"
+                )
+            if kind is Kind.VIEW and len(weights) == 1:
+                view = _lazy_cast_view(func, args, kwargs, source)
+                if view is not None:
+                    return view
+        plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t._values(), (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
         if kind is Kind.MUTATION:
             # The written weights' fp8 copies are stale; hand back the wrappers themselves
@@ -173,7 +245,6 @@ class Float8MoEWeight(Fp8Weight):
                     weight._cache.invalidate()
             originals = {id(w._data): w for w in written if isinstance(w, cls)}
             return pytree.tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), out)
-        source = weights[0]
         if kind is Kind.VIEW:
             return wrap_floats(out, source._view)
         if kind is Kind.COPY:
@@ -276,3 +347,51 @@ class Float8MoEWeight(Fp8Weight):
             transposed=False,
         )
         return unsharded, all_gather_outputs
+
+
+def _lazy_cast_dtype(func, args, kwargs) -> torch.dtype | None:
+    """bf16 where ``func`` casts an fp32 parameter to bf16 in a forward that autograd records,
+    eagerly, and changes nothing else: the cast torchtitan's grouped experts make where FSDP
+    does not cast (one device, DDP, FSDP with fp32 parameters). bf16 keeps fp32's exponent
+    range, so quantizing the fp32 values differs from quantizing their bf16 copy only by the
+    second rounding. Else None, and the cast makes a copy: ``model.to(torch.bfloat16)`` runs
+    without grad, compiled code traces the copy, and a tensor-parallel weight's local tensor is
+    no parameter."""
+    if func is not aten._to_copy.default or len(args) != 1:
+        return None
+    (source,) = args
+    if not (
+        kwargs.get("dtype") is torch.bfloat16
+        and source.dtype is torch.float32
+        and set(kwargs) <= {"dtype", "device", "layout", "memory_format", "non_blocking"}
+        and kwargs.get("device") in (None, source.device)
+        and kwargs.get("layout") in (None, torch.strided)
+        and kwargs.get("memory_format") in (None, torch.preserve_format)
+    ):
+        return None
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return None
+    if not (
+        isinstance(source, torch.nn.Parameter)
+        and source.requires_grad
+        and source._cast_from is None
+    ):
+        return None
+    return torch.bfloat16
+
+
+def _lazy_cast_view(func, args, kwargs, source: Float8MoEWeight) -> Float8MoEWeight | None:
+    """A view of the lazy cast ``source``, itself lazy: the view of its ``_data``, where the
+    view keeps the dtype (a shape or stride view picks the same elements in either dtype);
+    None for views that read the bytes (``view(dtype)``), which see the cast values."""
+    plain_args, plain_kwargs = pytree.tree_map_only(
+        Float8MoEWeight, lambda t: t._source_values(), (args, kwargs)
+    )
+    out = func(*plain_args, **plain_kwargs)
+    leaves = pytree.tree_leaves(out)
+    if not all(isinstance(t, torch.Tensor) and t.dtype == source._data.dtype for t in leaves):
+        return None
+    lazy_cast = (source.dtype, source._cast_from)
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: source._derived(t, source._cache, lazy_cast=lazy_cast), out
+    )

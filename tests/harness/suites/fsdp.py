@@ -69,7 +69,13 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
             x, routing, target = expert_inputs(case["kind"], case["dim0"], step * 2 + micro)
             x_ref = x.to(param_dtype).detach().requires_grad_()
             x_sharded = x.clone().requires_grad_()
-            cast = {n: p.to(param_dtype) for n, p in ref.named_parameters()}
+            # FSDP's bf16 mixed precision casts the values (a bf16 copy): clone() makes the
+            # reference's cast a copy too, where a bare cast of a parameter is lazy. With fp32
+            # parameters both hand the parameter itself to the module.
+            cast = {
+                n: p if p.dtype == param_dtype else p.to(param_dtype).clone()
+                for n, p in ref.named_parameters()
+            }
             out_ref = torch.func.functional_call(ref, cast, (x_ref, *routing))
             out = sharded(x_sharded, *routing)
             (out_ref.float() * target).sum().backward()

@@ -1,0 +1,210 @@
+"""The forward's cast of a converted fp32 parameter to bf16 (torchtitan's grouped experts call
+``w.bfloat16()`` where FSDP does not cast: one device, DDP) is lazy: it holds no bf16 copy, its
+matmuls are the fp8 products of the fp32 values, any other op sees the values rounded to bf16,
+and gradients reach the fp32 parameter as through a plain cast. References are plain torch
+(``fp8_product`` of test_fail_closed), never the package's own code."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_fail_closed import NOT_FP8_DB, SAME_DB, fp8_product
+
+from torchtitan_fp8_moe.fp8.sqnr import sqnr
+from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
+
+G, H, D, M = 3, 48, 32, 48
+OFFS = torch.tensor([16, 16, 48], dtype=torch.int32)  # one empty group
+
+
+def _parameter(cache_fp8=False):
+    plain = torch.randn(G, H, D, generator=torch.Generator().manual_seed(0)) * 0.02
+    config = WeightConfig(emulate=True, cache_fp8=cache_fp8)
+    return plain, torch.nn.Parameter(Float8MoEWeight(plain.clone(), config))
+
+
+def _inputs():
+    """fp32 tokens and output gradient: fp32 outputs, so fp8 products compare exactly."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(M, D, generator=gen), torch.randn(M, H, generator=gen)
+
+
+def _routed(x, w16):
+    """torchtitan's call: ``_grouped_mm(x, w.bfloat16().transpose(-2, -1), offs)``."""
+    return torch._grouped_mm(x, w16.transpose(-2, -1), offs=OFFS)
+
+
+def _per_group(fn, *tensors):
+    """``fn`` of each group's token rows (and the group index)."""
+    bounds = zip([0, *OFFS.tolist()[:-1]], OFFS.tolist(), strict=True)
+    return [fn(g, *(t[s:e] for t in tensors)) for g, (s, e) in enumerate(bounds)]
+
+
+@pytest.mark.parametrize("cache_fp8", [False, True], ids=["uncached", "cached"])
+def test_lazy_cast_is_the_fp8_product_of_the_fp32_values(cache_fp8):
+    plain, w = _parameter(cache_fp8)
+    x, target = _inputs()
+    x = x.requires_grad_()
+    w16 = w.bfloat16()
+    assert w16.dtype == torch.bfloat16 and w16._data.dtype == torch.float32
+    assert w16._data.untyped_storage().data_ptr() == w._data.untyped_storage().data_ptr()
+    assert _routed(x.detach().bfloat16(), w16).dtype == torch.bfloat16
+    out = _routed(x, w16)
+    # Forward: per group, x times the fp8 copy of the fp32 weight (not of its bf16 copy).
+    expected = torch.cat(_per_group(lambda g, xg: fp8_product(xg, plain[g].t()), x.detach()))
+    assert sqnr(expected, out.detach()) > SAME_DB
+    high_precision = x.detach()[:16].double() @ plain.double()[0].t()
+    assert sqnr(high_precision, out.detach()[:16]) < NOT_FP8_DB
+    (out.float() * target.float()).sum().backward()
+    # Input gradient: the gradient times the fp8 copy of w^T, scaled per row of H.
+    expected_dx = torch.cat(_per_group(lambda g, tg: fp8_product(tg, plain[g]), target))
+    assert sqnr(expected_dx, x.grad) > SAME_DB
+    # Weight gradient: fp32 on the parameter, as through a plain cast; its fp8 operands are
+    # the tokens and the gradient, so it equals the plain fp32 product within fp8's bar.
+    assert w.grad.dtype == torch.float32 and type(w.grad) is torch.Tensor
+    plain_grad = torch.stack(
+        _per_group(lambda g, xg, tg: tg.double().t() @ xg.double(), x.detach(), target)
+    )
+    assert sqnr(plain_grad, w.grad) > 21
+
+
+def test_lazy_cast_gradient_equals_a_copied_casts():
+    """The weight gradient does not depend on the weight's values, so it comes out bitwise as
+    through a materialized cast (``.clone()`` of it)."""
+    grads = []
+    for make in (lambda w: w.bfloat16(), lambda w: w.bfloat16().clone()):
+        _, w = _parameter()
+        x, target = _inputs()
+        w16 = make(w)
+        assert (w16._cast_from is not None) == (len(grads) == 0)
+        (_routed(x, w16).float() * target.float()).sum().backward()
+        grads.append(w.grad)
+    assert torch.equal(*grads)
+
+
+def test_other_ops_see_the_bf16_values():
+    plain, w = _parameter()
+    w16 = w.bfloat16()
+    rounded = plain.bfloat16()
+    assert torch.equal(w16.high_precision(), rounded)
+    assert torch.equal((w16 * 2).high_precision(), rounded * 2)
+    assert torch.equal(w16.transpose(-2, -1)[1].high_precision(), rounded.transpose(-2, -1)[1])
+    assert w16.sum().item() == rounded.sum().item()
+    assert torch.equal(w16.view(torch.int16), rounded.view(torch.int16))  # a bytes view
+    copy = w16.clone()
+    assert copy._cast_from is None and copy._data.dtype == torch.bfloat16
+    assert torch.equal(copy.high_precision(), rounded)
+
+
+def test_writes_fail_closed():
+    """The cast holds no copy: a write into it raises, and a use after the parameter was written
+    raises instead of seeing the new values; a clone of the cast is an ordinary copy."""
+    _, w = _parameter()
+    x, _ = _inputs()
+    w16 = w.bfloat16()
+    with pytest.raises(NotImplementedError, match="lazy"):
+        w16.mul_(2)
+    with pytest.raises(NotImplementedError, match="lazy"):
+        w16.transpose(-2, -1).zero_()
+    copy = w.bfloat16().clone()
+    copy.mul_(2)  # an ordinary copy: writable
+    view = w16.transpose(-2, -1)
+    with torch.no_grad():
+        w.add_(1.0)
+    for use in (
+        lambda: torch._grouped_mm(x, view, offs=OFFS),
+        lambda: w16.high_precision(),
+        lambda: w16 + 1,
+    ):
+        with pytest.raises(RuntimeError, match="written"):
+            use()
+    out = _routed(x, w.bfloat16())  # a new cast after the write is fine
+    assert torch.isfinite(out).all()
+
+
+def test_backward_after_a_write_raises():
+    _, w = _parameter()
+    x, target = _inputs()
+    out = _routed(x.requires_grad_(), w.bfloat16())
+    with torch.no_grad():
+        w.mul_(0.5)  # an optimizer step between forward and backward
+    with pytest.raises(RuntimeError, match="written"):
+        (out.float() * target.float()).sum().backward()
+
+
+def test_casts_that_copy():
+    """Where the cast is not a forward's: without grad (``model.to(torch.bfloat16)``), to fp16
+    (its range is not fp32's), of a plain (non-parameter) weight, of a parameter that does not
+    require grad; and compiled code (traced copies). Each holds a bf16/fp16 copy."""
+    plain, w = _parameter()
+    with torch.no_grad():
+        assert w.bfloat16()._data.dtype == torch.bfloat16
+    assert w.half()._data.dtype == torch.float16
+    loose = Float8MoEWeight(plain.clone(), WeightConfig(emulate=True))
+    assert loose.bfloat16()._data.dtype == torch.bfloat16
+    frozen = torch.nn.Parameter(Float8MoEWeight(plain.clone(), WeightConfig(emulate=True)))
+    frozen.requires_grad_(False)
+    assert frozen.bfloat16()._data.dtype == torch.bfloat16
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(Float8MoEWeight(plain.clone(), WeightConfig(emulate=True)))
+    module.to(torch.bfloat16)
+    assert module.w._data.dtype == torch.bfloat16 and module.w._cast_from is None
+    with torch.no_grad():
+        module.w.add_(1.0)  # a converted model's parameters stay writable
+
+
+def test_linear_and_matmul_forms_of_a_lazy_cast():
+    """2D views of the cast through each matmul entry point: the fp8 product of the fp32
+    values in the layout the call uses (F.linear transposes, a square weight included)."""
+    plain = torch.randn(2, D, D, generator=torch.Generator().manual_seed(3))
+    w = torch.nn.Parameter(Float8MoEWeight(plain.clone(), WeightConfig(emulate=True)))
+    x = torch.randn(M, D, generator=torch.Generator().manual_seed(4))
+    w16 = w.bfloat16()
+    for out, b in (
+        (F.linear(x, w16[1]), plain[1].t()),
+        (x @ w16[1], plain[1]),
+        (torch.mm(x, w16[0].t()), plain[0].t()),
+        (torch.bmm(x.expand(2, M, D), w16), plain),
+    ):
+        a = x if out.dim() == 2 else x.expand(2, M, D)
+        assert sqnr(fp8_product(a, b), out) > SAME_DB
+
+
+VIEWS = {
+    "transpose": lambda t: t.transpose(-2, -1),
+    "mT": lambda t: t.mT,
+    "unsqueeze.squeeze": lambda t: t.unsqueeze(0).squeeze(0),
+    "view_as": lambda t: t.view_as(t),
+    "detach": lambda t: t.detach(),
+    "alias": lambda t: t.as_strided(t.shape, t.stride(), t.storage_offset()),
+    "expand": lambda t: t.expand(*t.shape),
+    "flatten.unflatten": lambda t: t.flatten(-2).unflatten(-1, t.shape[-2:]),
+}
+COPIES = {"contiguous": lambda t: t.contiguous(), "clone": lambda t: t.clone()}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chain=st.lists(st.sampled_from(sorted(VIEWS) + sorted(COPIES)), max_size=4),
+    expert=st.integers(0, G - 1),
+)
+def test_view_chains_of_a_lazy_cast(chain, expert):
+    """Views keep the cast lazy (the fp8 product of the fp32 values); a step that copies
+    anywhere in the chain makes bf16 values (the fp8 product of the rounded values)."""
+    plain, w = _parameter()
+    x, _ = _inputs()
+    w2, p2, copied = w.bfloat16()[expert], plain[expert], False
+    for step in chain:
+        fn = {**VIEWS, **COPIES}[step]
+        w2, p_next = fn(w2), fn(p2)
+        # A step copies where plain torch does (clone; contiguous or flatten of a
+        # non-contiguous tensor): its result has storage of its own.
+        copied |= p_next.untyped_storage().data_ptr() != p2.untyped_storage().data_ptr()
+        p2 = p_next
+    if w2.shape != (H, D):
+        w2, p2 = w2.transpose(-2, -1), p2.transpose(-2, -1)
+    assert (w2._cast_from is None) == copied
+    values = p2.bfloat16().float() if copied else p2
+    out = F.linear(x, w2)
+    assert sqnr(fp8_product(x, values.t()), out) > SAME_DB
