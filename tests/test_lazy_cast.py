@@ -146,6 +146,10 @@ def test_casts_that_copy():
     frozen = torch.nn.Parameter(Float8MoEWeight(plain.clone(), WeightConfig(emulate=True)))
     frozen.requires_grad_(False)
     assert frozen.bfloat16()._data.dtype == torch.bfloat16
+    compiled = WeightConfig(emulate=True, lazy_cast=False)  # convert(..., compiled=True)
+    assert torch.nn.Parameter(Float8MoEWeight(plain.clone(), compiled)).bfloat16()._data.dtype == (
+        torch.bfloat16
+    )
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(Float8MoEWeight(plain.clone(), WeightConfig(emulate=True)))
     module.to(torch.bfloat16)

@@ -15,6 +15,9 @@ class WeightConfig:
     cache_fp8: bool = False
     # Under FSDP2: all-gather fp8 payloads quantized on the shard where it can (config.py).
     fp8_all_gather: bool = False
+    # A forward's cast of an fp32 parameter to bf16 holds no copy (weight/tensor.py); off where
+    # the model is compiled, whose graph breaks could hand such a cast to a compiled region.
+    lazy_cast: bool = True
 
     def __post_init__(self):
         recipe_named(self.recipe)  # an unknown recipe fails here, naming the option

@@ -165,7 +165,8 @@ class Float8MoEWeight(Fp8Weight):
         if self._cast_from is not None:
             raise NotImplementedError(
                 f"float8_moe: a lazy {self.dtype} cast of a converted weight "
-                f"{list(self.shape)} cannot enter a compiled region; cast inside it"
+                f"{list(self.shape)} cannot enter a compiled region; convert with "
+                "compiled=True (the trainer does where compile.enable covers the model)"
             )
         return ["_data"], self.config
 
@@ -355,8 +356,8 @@ def _lazy_cast_dtype(func, args, kwargs) -> torch.dtype | None:
     does not cast (one device, DDP, FSDP with fp32 parameters). bf16 keeps fp32's exponent
     range, so quantizing the fp32 values differs from quantizing their bf16 copy only by the
     second rounding. Else None, and the cast makes a copy: ``model.to(torch.bfloat16)`` runs
-    without grad, compiled code traces the copy, and a tensor-parallel weight's local tensor is
-    no parameter."""
+    without grad, compiled models trace the copy (``WeightConfig.lazy_cast``), and a
+    tensor-parallel weight's local tensor is no parameter."""
     if func is not aten._to_copy.default or len(args) != 1:
         return None
     (source,) = args
@@ -375,6 +376,7 @@ def _lazy_cast_dtype(func, args, kwargs) -> torch.dtype | None:
         isinstance(source, torch.nn.Parameter)
         and source.requires_grad
         and source._cast_from is None
+        and source.config.lazy_cast
     ):
         return None
     return torch.bfloat16
