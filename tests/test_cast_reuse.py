@@ -224,3 +224,31 @@ def test_views_of_the_same_memory_share_a_cast_and_other_memory_does_not():
     cast_reuse.keep(cast, x, (), "x's")
     x.data = torch.randn(5, 6)  # a new tensor behind the same object: another layout
     assert cast_reuse.take(cast, x) is None
+
+
+def test_a_cast_kept_in_a_backward_is_dropped_when_it_ends():
+    """What a backward keeps (w3's per-group cast of the tokens, for w1) must not outlive it:
+    a shared expert's w1 never takes w3's (its offsets are a new tensor per call), and the
+    leftover moved the allocator's layout from step to step (fragmentation)."""
+    seen = []
+
+    class KeepsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            cast_reuse.keep(cast, grad, (), (grad.clone(),))
+            seen.append(cast_reuse.holds(cast, grad))
+            return grad * 2
+
+    def cast(t):
+        return (t,)
+
+    x = torch.randn(8, requires_grad=True)
+    KeepsInBackward.apply(x).sum().backward()
+    assert seen == [True], "kept during the backward"
+    assert cast_reuse._slot.kept is None, "the backward's kept cast outlived it"
+    cast_reuse.keep(cast, x, (), (x.clone(),))  # outside a backward: kept until taken
+    assert cast_reuse.holds(cast, x)

@@ -299,3 +299,19 @@ def test_lazy_cast_on_cuda_keeps_no_bf16_copy():
         assert cuda.dtype == emulated.dtype
         assert sqnr(emulated.float(), cuda.float()) > 35
     assert results[1][2].dtype == torch.float32
+
+
+def test_a_shared_experts_backward_keeps_no_cast_after_it():
+    """A FeedForward's w1 and w3 cast the same tokens per group in backward; whatever the last
+    one keeps is dropped when the backward ends (it lived into the next step before)."""
+    from torchtitan.models.moe.moe import FeedForward
+
+    from torchtitan_fp8_moe.fp8 import cast_reuse
+    from torchtitan_fp8_moe.swap import swap_expert_weights
+
+    torch.manual_seed(0)
+    ffn = FeedForward(D, H).cuda().bfloat16()
+    swap_expert_weights(ffn, WeightConfig(emulate=False))
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ffn(x).sum().backward()
+    assert cast_reuse._slot.kept is None

@@ -7,7 +7,9 @@ it if it casts the same memory (same tensor or view of the same base, data point
 strides, dtype), unchanged since (the version counter, which views share), with the same cast
 function and the same other inputs (by identity); every take empties the slot, hit or miss, so
 the slot holds at most one activation's fp8 copy, until the next cast that looks in it or the
-first backward (which drops a forward cast: the last forward's is never reused). Writes
+first backward (which drops a forward cast: the last forward's is never reused); a cast kept
+in a backward is dropped when that backward ends, so none lives on into the next step (where
+it moved the allocator's layout from step to step and fragmented it). Writes
 that bypass the version counter (through ``x.data`` or raw pointers) are not seen: do not make
 them between two expert GEMMs.
 
@@ -84,8 +86,17 @@ def holds(cast: Callable, x: torch.Tensor, *others: torch.Tensor) -> bool:
 
 def keep(cast: Callable, x: torch.Tensor, others: tuple, result) -> None:
     """Keep ``result``, the output of ``cast`` on ``x`` and ``others``, for the next ``take``."""
-    if _keepable(x):
-        _slot.kept = _Kept(cast, weakref.ref(_base(x)), _layout(x), x._version, others, result)
+    if not _keepable(x):
+        return
+    kept = _Kept(cast, weakref.ref(_base(x)), _layout(x), x._version, others, result)
+    _slot.kept = kept
+    if torch._C._current_graph_task_id() != -1:  # in a backward: drop it when that ends
+
+        def drop():
+            if _slot.kept is kept:
+                _slot.kept = None
+
+        torch.autograd.Variable._execution_engine.queue_callback(drop)
 
 
 def discard(cast: Callable) -> None:
