@@ -57,10 +57,11 @@ def build_expert_module(kind: str, dim0: int, seed: int = 0) -> nn.Module:
 
 
 def convert_to_float8_moe(
-    module: nn.Module, cache_fp8: bool = False, recipe: str = "rowwise"
+    module: nn.Module, cache_fp8: bool = False, recipe: str = "rowwise", lazy_cast: bool = True
 ) -> nn.Module:
+    config = WeightConfig(recipe, emulate=True, cache_fp8=cache_fp8, lazy_cast=lazy_cast)
     for _, expert in expert_modules(module):
-        swap_expert_weights(expert, WeightConfig(recipe, emulate=True, cache_fp8=cache_fp8))
+        swap_expert_weights(expert, config)
     return module
 
 

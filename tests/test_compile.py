@@ -14,6 +14,7 @@ from expert_modules import (
 )
 from torchtitan.models.moe.moe import _run_experts_grouped_mm
 
+from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
 # Inductor's C++ compilation: about 45 s on 2 cores from an empty cache, as every session starts.
@@ -45,8 +46,13 @@ def test_compiled_experts_equal_eager():
         ("linear_shared", 64, "module", "aot_eager"),
     ]:
         torch._dynamo.reset()
-        module = convert_to_float8_moe(build_expert_module(kind, dim0))
+        # Eager with the fp32 weights' lazy bf16 cast on quantizes their fp32 values; compiled
+        # code casts first, so the converter turns the lazy cast off for compiled models.
+        lazy = convert_to_float8_moe(build_expert_module(kind, dim0))
+        lazy_out = _fwd_bwd(lazy, lazy, kind, dim0)[0]
+        module = convert_to_float8_moe(build_expert_module(kind, dim0), lazy_cast=False)
         eager = _fwd_bwd(module, module, kind, dim0)
+        assert sqnr(eager[0].float(), lazy_out.float()) > 23, kind  # the output bar
         if compile_target == "function":
             experts = module.experts
             compiled_fn = torch.compile(_run_experts_grouped_mm, backend=backend, fullgraph=True)
