@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fail_closed import NOT_FP8_DB, SAME_DB, fp8_product
+from test_fail_closed import NOT_FP8_DB, SAME_DB, VIEW_STEPS, fp8_product
 
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
@@ -175,40 +175,30 @@ def test_linear_and_matmul_forms_of_a_lazy_cast():
         assert sqnr(fp8_product(a, b), out) > SAME_DB
 
 
-VIEWS = {
-    "transpose": lambda t: t.transpose(-2, -1),
-    "mT": lambda t: t.mT,
-    "unsqueeze.squeeze": lambda t: t.unsqueeze(0).squeeze(0),
-    "view_as": lambda t: t.view_as(t),
-    "detach": lambda t: t.detach(),
-    "alias": lambda t: t.as_strided(t.shape, t.stride(), t.storage_offset()),
-    "expand": lambda t: t.expand(*t.shape),
-    "flatten.unflatten": lambda t: t.flatten(-2).unflatten(-1, t.shape[-2:]),
-}
-COPIES = {"contiguous": lambda t: t.contiguous(), "clone": lambda t: t.clone()}
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    chain=st.lists(st.sampled_from(sorted(VIEWS) + sorted(COPIES)), max_size=4),
+    chain=st.lists(st.sampled_from(sorted(VIEW_STEPS)), max_size=4),
     expert=st.integers(0, G - 1),
 )
 def test_view_chains_of_a_lazy_cast(chain, expert):
     """Views keep the cast lazy (the fp8 product of the fp32 values); a step that copies
-    anywhere in the chain makes bf16 values (the fp8 product of the rounded values)."""
+    anywhere in the chain (where plain torch copies a bf16 tensor: clone, a cast to another
+    dtype, contiguous or flatten of a non-contiguous one) makes bf16 values (the fp8 product
+    of the rounded values)."""
     plain, w = _parameter()
     x, _ = _inputs()
-    w2, p2, copied = w.bfloat16()[expert], plain[expert], False
+    w2, rounded, unrounded = w.bfloat16()[expert], plain[expert].bfloat16(), plain[expert]
+    copied = False
     for step in chain:
-        fn = {**VIEWS, **COPIES}[step]
-        w2, p_next = fn(w2), fn(p2)
-        # A step copies where plain torch does (clone; contiguous or flatten of a
-        # non-contiguous tensor): its result has storage of its own.
-        copied |= p_next.untyped_storage().data_ptr() != p2.untyped_storage().data_ptr()
-        p2 = p_next
+        fn = VIEW_STEPS[step]
+        w2, rounded_next = fn(w2), fn(rounded)
+        copied |= rounded_next.untyped_storage().data_ptr() != rounded.untyped_storage().data_ptr()
+        rounded = rounded_next
+        if not copied:  # casts to bf16 were no-ops so far: the same view of the fp32 values
+            unrounded = fn(unrounded) if step not in ("float", "bfloat16") else unrounded
     if w2.shape != (H, D):
-        w2, p2 = w2.transpose(-2, -1), p2.transpose(-2, -1)
+        w2, rounded, unrounded = (t.transpose(-2, -1) for t in (w2, rounded, unrounded))
     assert (w2._cast_from is None) == copied
-    values = p2.bfloat16().float() if copied else p2
+    values = rounded.float() if copied else unrounded
     out = F.linear(x, w2)
     assert sqnr(fp8_product(x, values.t()), out) > SAME_DB
