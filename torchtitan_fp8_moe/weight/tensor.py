@@ -183,19 +183,16 @@ class Float8MoEWeight(Fp8Weight):
         return CachedWeightQuantizer(self._cache)
 
     def fp8_operand(self, transpose: bool = False):
+        def oriented(t: torch.Tensor) -> torch.Tensor:
+            return t.transpose(-2, -1) if transpose else t
+
         if self._cast_from is None:
-            b = _Unwrap.apply(self)
-            return (b.transpose(-2, -1) if transpose else b), self._cached_quantizer()
+            return oriented(_Unwrap.apply(self)), self._cached_quantizer()
         # A lazy cast: the GEMM quantizes the parameter's values; b carries the cast's shape
         # and dtype, so the weight gradient comes back in the cast's dtype.
-        b = shape_only_operand(self)
         cache = None if torch.compiler.is_compiling() else self._cache
-
-        def values():
-            data = self._source_values()
-            return data.transpose(-2, -1) if transpose else data
-
-        return (b.transpose(-2, -1) if transpose else b), SourceValuesQuantizer(values, cache)
+        quantizer = SourceValuesQuantizer(lambda: oriented(self._source_values()), cache)
+        return oriented(shape_only_operand(self)), quantizer
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -373,10 +370,7 @@ def _lazy_cast_dtype(func, args, kwargs) -> torch.dtype | None:
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return None
     if not (
-        isinstance(source, torch.nn.Parameter)
-        and source.requires_grad
-        and source._cast_from is None
-        and source.config.lazy_cast
+        isinstance(source, torch.nn.Parameter) and source.requires_grad and source.config.lazy_cast
     ):
         return None
     return torch.bfloat16
