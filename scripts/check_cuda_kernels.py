@@ -106,7 +106,9 @@ def _patch() -> None:
             got = cuda_fn(*args, **kwargs)
             if name == "weight_transposed":
                 # From the torch rules' own amax, so a wrong amax from the CUDA forward shows.
-                want = torch_fn(args[0], amax_over_n=torch_quantize.weight(args[0])[2])
+                round_to = kwargs.get("round_to", args[2] if len(args) > 2 else None)
+                amax = torch_quantize.weight(args[0], round_to)[2]
+                want = torch_fn(args[0], amax, round_to)
             else:
                 want = torch_fn(*args, **kwargs)
             if name == "weight":

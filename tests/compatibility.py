@@ -107,9 +107,8 @@ ROWS = [
         "torch.compile (torchtitan's per-block `fullgraph=True`)",
         WORKS,
         "compiled = eager exactly (routed experts lowered by inductor, shared experts traced "
-        "by dynamo and AOTAutograd) with the lazy bf16 cast off, as the converter sets it for "
-        "compiled models (eager with it on quantizes the fp32 weights: within fp8's bars); "
-        "trainer within 0.005 (whole model, inductor)",
+        "by dynamo and AOTAutograd), eager with the lazy bf16 cast on or off (the converter "
+        "turns it off for compiled models); trainer within 0.005 (whole model, inductor)",
         [
             "test_compile.py::test_compiled_experts_equal_eager",
             "test_lazy_cast.py::test_casts_that_copy",

@@ -269,13 +269,16 @@ def test_fp8_all_gather_on_cuda_equals_the_unsharded_weight(experts, world):
             assert torch.equal(value, expected)
 
 
-def test_lazy_cast_on_cuda_keeps_no_bf16_copy():
+# K = D, and K long enough for the weight cast that takes the amax over N in its own read.
+@pytest.mark.parametrize("dim", [D, 5120])
+def test_lazy_cast_on_cuda_keeps_no_bf16_copy(dim):
     """torchtitan's ``w.bfloat16()`` of an fp32 parameter (one GPU, DDP): what the forward
-    keeps for the backward holds no bf16 copy of the weight, and the results match the
-    emulated path."""
+    keeps for the backward holds no bf16 copy of the weight, the results equal a copied cast's
+    bit for bit (our kernels round the fp32 values as they read them) and match the emulated
+    path."""
     torch.manual_seed(0)
-    w = torch.randn(E, H, D, device="cuda") * 0.02
-    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, H, dim, device="cuda") * 0.02
+    x = torch.randn(M, dim, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
     results, kept = [], {}
     for name, emulate, cast in [
@@ -295,9 +298,10 @@ def test_lazy_cast_on_cuda_keeps_no_bf16_copy():
         results.append((out, xi.grad, weight.grad))
     # the bf16 copy, less the lazy operand's one-element tensor (a 512-byte block)
     assert kept["copied"] - kept["lazy"] >= w.numel() * 2 - 512
-    for emulated, cuda in zip(results[0], results[1], strict=True):
+    for emulated, cuda, copied in zip(*results, strict=True):
         assert cuda.dtype == emulated.dtype
         assert sqnr(emulated.float(), cuda.float()) > 35
+        assert torch.equal(cuda, copied)
     assert results[1][2].dtype == torch.float32
 
 

@@ -1,8 +1,10 @@
 """The forward's cast of a converted fp32 parameter to bf16 (torchtitan's grouped experts call
-``w.bfloat16()`` where FSDP does not cast: one device, DDP) is lazy: it holds no bf16 copy, its
-matmuls are the fp8 products of the fp32 values, any other op sees the values rounded to bf16,
-and gradients reach the fp32 parameter as through a plain cast. References are plain torch
-(``fp8_product`` of test_fail_closed), never the package's own code."""
+``w.bfloat16()`` where FSDP does not cast: one device, DDP) is lazy: it holds no bf16 copy, yet
+its matmuls are the fp8 products of the bf16 values (the quantizer rounds the fp32 values as it
+reads them), bit for bit what a copied cast gives; any other op sees the bf16 values, and
+gradients reach the fp32 parameter as through a plain cast. References are plain torch
+(``fp8_product`` of test_fail_closed) and the copied cast (``.clone()``), never the lazy path's
+own code."""
 
 import pytest
 import torch
@@ -42,8 +44,10 @@ def _per_group(fn, *tensors):
 
 
 @pytest.mark.parametrize("cache_fp8", [False, True], ids=["uncached", "cached"])
-def test_lazy_cast_is_the_fp8_product_of_the_fp32_values(cache_fp8):
+def test_lazy_cast_is_the_fp8_product_of_the_bf16_values(cache_fp8):
     plain, w = _parameter(cache_fp8)
+    rounded = plain.bfloat16().float()
+    assert sqnr(plain, rounded) < 60  # the two differ: a product tells which one was quantized
     x, target = _inputs()
     x = x.requires_grad_()
     w16 = w.bfloat16()
@@ -51,14 +55,14 @@ def test_lazy_cast_is_the_fp8_product_of_the_fp32_values(cache_fp8):
     assert w16._data.untyped_storage().data_ptr() == w._data.untyped_storage().data_ptr()
     assert _routed(x.detach().bfloat16(), w16).dtype == torch.bfloat16
     out = _routed(x, w16)
-    # Forward: per group, x times the fp8 copy of the fp32 weight (not of its bf16 copy).
-    expected = torch.cat(_per_group(lambda g, xg: fp8_product(xg, plain[g].t()), x.detach()))
+    # Forward: per group, x times the fp8 copy of the weight's bf16 values.
+    expected = torch.cat(_per_group(lambda g, xg: fp8_product(xg, rounded[g].t()), x.detach()))
     assert sqnr(expected, out.detach()) > SAME_DB
     high_precision = x.detach()[:16].double() @ plain.double()[0].t()
     assert sqnr(high_precision, out.detach()[:16]) < NOT_FP8_DB
     (out.float() * target.float()).sum().backward()
     # Input gradient: the gradient times the fp8 copy of w^T, scaled per row of H.
-    expected_dx = torch.cat(_per_group(lambda g, tg: fp8_product(tg, plain[g]), target))
+    expected_dx = torch.cat(_per_group(lambda g, tg: fp8_product(tg, rounded[g]), target))
     assert sqnr(expected_dx, x.grad) > SAME_DB
     # Weight gradient: fp32 on the parameter, as through a plain cast; its fp8 operands are
     # the tokens and the gradient, so it equals the plain fp32 product within fp8's bar.
@@ -69,18 +73,25 @@ def test_lazy_cast_is_the_fp8_product_of_the_fp32_values(cache_fp8):
     assert sqnr(plain_grad, w.grad) > 21
 
 
-def test_lazy_cast_gradient_equals_a_copied_casts():
-    """The weight gradient does not depend on the weight's values, so it comes out bitwise as
-    through a materialized cast (``.clone()`` of it)."""
-    grads = []
-    for make in (lambda w: w.bfloat16(), lambda w: w.bfloat16().clone()):
-        _, w = _parameter()
-        x, target = _inputs()
-        w16 = make(w)
-        assert (w16._cast_from is not None) == (len(grads) == 0)
-        (_routed(x, w16).float() * target.float()).sum().backward()
-        grads.append(w.grad)
-    assert torch.equal(*grads)
+@pytest.mark.parametrize("cache_fp8", [False, True], ids=["uncached", "cached"])
+def test_lazy_cast_equals_a_copied_cast_bit_for_bit(cache_fp8):
+    """Output, input gradient and weight gradient as through a materialized cast (``.clone()``
+    of it), twice in a row (the second from the cache where there is one)."""
+    results = []
+    for lazy, make in ((True, lambda w: w.bfloat16()), (False, lambda w: w.bfloat16().clone())):
+        _, w = _parameter(cache_fp8)
+        for _ in range(2):
+            x, target = _inputs()
+            x.requires_grad_()
+            w16 = make(w)
+            assert (w16._cast_from is not None) == lazy
+            out = _routed(x, w16)
+            (out.float() * target.float()).sum().backward()
+            results.append((out.detach(), x.grad, w.grad.clone()))
+    lazy, copied = results[:2], results[2:]
+    for lazy_step, copied_step in zip(lazy, copied, strict=True):
+        for got, want in zip(lazy_step, copied_step, strict=True):
+            assert torch.equal(got, want)
 
 
 def test_other_ops_see_the_bf16_values():
@@ -159,12 +170,12 @@ def test_casts_that_copy():
 
 
 def test_linear_and_matmul_forms_of_a_lazy_cast():
-    """2D views of the cast through each matmul entry point: the fp8 product of the fp32
+    """2D views of the cast through each matmul entry point: the fp8 product of the bf16
     values in the layout the call uses (F.linear transposes, a square weight included)."""
     plain = torch.randn(2, D, D, generator=torch.Generator().manual_seed(3))
     w = torch.nn.Parameter(Float8MoEWeight(plain.clone(), WeightConfig(emulate=True)))
     x = torch.randn(M, D, generator=torch.Generator().manual_seed(4))
-    w16 = w.bfloat16()
+    w16, plain = w.bfloat16(), plain.bfloat16().float()
     for out, b in (
         (F.linear(x, w16[1]), plain[1].t()),
         (x @ w16[1], plain[1]),
@@ -181,24 +192,21 @@ def test_linear_and_matmul_forms_of_a_lazy_cast():
     expert=st.integers(0, G - 1),
 )
 def test_view_chains_of_a_lazy_cast(chain, expert):
-    """Views keep the cast lazy (the fp8 product of the fp32 values); a step that copies
-    anywhere in the chain (where plain torch copies a bf16 tensor: clone, a cast to another
-    dtype, contiguous or flatten of a non-contiguous one) makes bf16 values (the fp8 product
-    of the rounded values)."""
+    """Views keep the cast lazy; a step that copies anywhere in the chain (where plain torch
+    copies a bf16 tensor: clone, a cast to another dtype, contiguous or flatten of a
+    non-contiguous one) makes a copy. Either way the matmul is the fp8 product of the bf16
+    values."""
     plain, w = _parameter()
     x, _ = _inputs()
-    w2, rounded, unrounded = w.bfloat16()[expert], plain[expert].bfloat16(), plain[expert]
+    w2, rounded = w.bfloat16()[expert], plain[expert].bfloat16()
     copied = False
     for step in chain:
         fn = VIEW_STEPS[step]
         w2, rounded_next = fn(w2), fn(rounded)
         copied |= rounded_next.untyped_storage().data_ptr() != rounded.untyped_storage().data_ptr()
         rounded = rounded_next
-        if not copied:  # casts to bf16 were no-ops so far: the same view of the fp32 values
-            unrounded = fn(unrounded) if step not in ("float", "bfloat16") else unrounded
     if w2.shape != (H, D):
-        w2, rounded, unrounded = (t.transpose(-2, -1) for t in (w2, rounded, unrounded))
+        w2, rounded = w2.transpose(-2, -1), rounded.transpose(-2, -1)
     assert (w2._cast_from is None) == copied
-    values = rounded.float() if copied else unrounded
     out = F.linear(x, w2)
-    assert sqnr(fp8_product(x, values.t()), out) > SAME_DB
+    assert sqnr(fp8_product(x, rounded.float().t()), out) > SAME_DB

@@ -74,18 +74,32 @@ def _check_per_group_colwise() -> None:
 WEIGHT_SHAPES = [(3, 40, 150), (1, 96, 64), (2, 5, 1), (4, 70, 33), (1, 9000, 3)]
 
 
-def _weight(groups, k, n):
+def _weight(groups, k, n, fp32=False):
     """Stored as the expert modules hold it ([G, N, K]) and used as [G, K, N]; magnitudes over 12
-    decades along both K and N, an all-zero column and row."""
+    decades along both K and N, an all-zero column and row; bf16, or fp32 with values that
+    bf16 cannot hold (ROUNDING_CASES in the first row)."""
     stored = (
         torch.randn(groups, n, k) * torch.logspace(-6, 6, k) * torch.logspace(3, -3, n)[:, None]
     )
     stored[:, 0] = 0
     stored[:, :, -1] = 0
-    return stored.bfloat16(), stored.bfloat16().transpose(-2, -1)
+    if fp32:
+        cases = torch.tensor(ROUNDING_CASES[: k - 1])
+        stored[:, min(1, n - 1), : cases.numel()] = cases
+        assert not torch.equal(stored, stored.bfloat16().float())
+    else:
+        stored = stored.bfloat16()
+    return stored, stored.transpose(-2, -1)
 
 
-def _check_weight_casts() -> None:
+# fp32 values where rounding to bf16 (8 significant bits) is decided by ties to even, and ones
+# that round up to the next power of two (an amax, so a scale, changes).
+ROUNDING_CASES = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2 - 2**-9, 448 - 2**-7, 3 * 2**-20]
+
+
+def _check_weight_casts(round_to_bf16: bool = False) -> None:
+    """With ``round_to_bf16`` the kernels read fp32 weights and must give what the rules give
+    for the weights cast to bf16 (a lazy bf16 cast's quantization, ``weight/tensor.py``)."""
     from torchtitan_fp8_moe.fp8 import torch_quantize
     from torchtitan_fp8_moe.fp8.kernels.triton_rowwise import cast_rows
     from torchtitan_fp8_moe.fp8.kernels.triton_transposed import cast_transposed
@@ -93,22 +107,44 @@ def _check_weight_casts() -> None:
 
     torch.manual_seed(0)
     for shape in WEIGHT_SHAPES:
-        stored, b = _weight(*shape)
+        stored, operand = _weight(*shape, fp32=round_to_bf16)
+        b = operand.bfloat16()  # the values the results are of
         # Forward orientation (scales over K) and the amax over N, in one pass.
-        values, scales, amax_over_n = cast_rows(stored, column_amax=True, out_dtype=torch.float32)
+        values, scales, amax_over_n = cast_rows(
+            stored, column_amax=True, out_dtype=torch.float32, round_to_bf16=round_to_bf16
+        )
         _, want_scales, want_amax = torch_quantize.weight(b)
         assert torch.equal(scales.transpose(-2, -1), want_scales), shape
         assert torch.equal(amax_over_n, want_amax), shape
         want = (b.float() * want_scales).clamp(-FP8_MAX, FP8_MAX)
         assert torch.equal(values.transpose(-2, -1), want), shape
+        # The rowwise kernel without the column amax (activations, weight rows up to 4096).
+        values, scales, _ = cast_rows(
+            stored, column_amax=False, out_dtype=torch.float32, round_to_bf16=round_to_bf16
+        )
+        assert torch.equal(scales.transpose(-2, -1), want_scales), shape
+        assert torch.equal(values.transpose(-2, -1), want), shape
         # Input-gradient orientation (scales over N) from that amax, b read through its strides.
-        for operand in (b, b.contiguous()):
-            values_t, scales_t = cast_transposed(operand, amax_over_n, torch.float32)
+        for source in (operand, operand.contiguous()):
+            values_t, scales_t = cast_transposed(
+                source, amax_over_n, torch.float32, round_to_bf16=round_to_bf16
+            )
             want_t_scales = scales_from_amax(want_amax).unsqueeze(-2)
             assert torch.equal(scales_t.unsqueeze(-2), want_t_scales), shape
             want_t = (b.transpose(-2, -1).float() * want_t_scales).clamp(-FP8_MAX, FP8_MAX)
             assert torch.equal(values_t, want_t), shape
             assert values_t.stride() == (shape[1] * shape[2], 1, shape[2]), "column-major"
+    if round_to_bf16:
+        # A NaN whose payload lies in the bits rounding drops stays NaN (not infinity); the
+        # largest float32 rounds to infinity, as torch's cast does (its row's scale is 0).
+        stored = torch.ones(1, 2, 8)
+        stored.view(torch.int32)[0, 0, 3] = 0x7F800001
+        stored[0, 1, 5] = torch.finfo(torch.float32).max
+        values, scales, amax = cast_rows(stored, True, torch.float32, round_to_bf16=True)
+        assert values[0, 0].isnan().nonzero().flatten().tolist() == [3]
+        assert scales[0, 1] == 0
+        assert amax[0, 5] == torch.inf and amax[0, 3].isnan()
+        return
     # Activations: rows of [M, C], no column amax.
     x = torch.randn(5, 33).bfloat16() * torch.logspace(-4, 4, 5)[:, None].bfloat16()
     values, scales, none = cast_rows(x[None], column_amax=False, out_dtype=torch.float32)
@@ -136,6 +172,16 @@ def test_per_group_colwise_kernel_in_triton_interpreter():
 def test_weight_cast_kernels_in_triton_interpreter():
     """The forward weight cast with the amax over N, and the single-read transposed cast."""
     _run_interpreted("_check_weight_casts")
+
+
+def _check_weight_casts_rounding_to_bf16() -> None:
+    _check_weight_casts(round_to_bf16=True)
+
+
+def test_weight_casts_of_fp32_rounded_to_bf16_in_triton_interpreter():
+    """A lazy bf16 cast's weight: the kernels read fp32 and quantize its bf16 values, ties to
+    even and round-ups to the next power of two included."""
+    _run_interpreted("_check_weight_casts_rounding_to_bf16")
 
 
 def test_kernels_are_custom_ops_only_where_needed():

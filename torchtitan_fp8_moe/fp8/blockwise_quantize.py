@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .gemm import token_groups
-from .quantize import amax_along, scales_from_amax, to_fp8
+from .quantize import amax_along, rounded, scales_from_amax, to_fp8
 
 BLOCK = 128
 
@@ -56,9 +56,13 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(x, expand_tiles(scales, size)), scales
 
 
-def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def weight(
+    b: torch.Tensor, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[G, K, N]`` -> fp8 ``[G, K, N]``, scales ``[G, ceil(K / 128), ceil(N / 128)]``, and the
-    scales again: what ``weight_transposed`` casts the transposed blocks by."""
+    scales again: what ``weight_transposed`` casts the transposed blocks by; of
+    ``b.to(round_to)``'s values (``quantize.rounded``)."""
+    b = rounded(b, round_to)
     groups, k, n = b.shape
     blocks = _padded_to_blocks(b.detach(), -2, -1)
     blocks = blocks.view(groups, blocks.shape[1] // BLOCK, BLOCK, blocks.shape[2] // BLOCK, BLOCK)
@@ -67,11 +71,14 @@ def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return to_fp8(b, expand_blocks(scales, k, n)), scales, scales
 
 
-def weight_transposed(b: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_transposed(
+    b: torch.Tensor, scales: torch.Tensor, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``b [G, K, N]`` and its block scales -> fp8 of ``b^T [G, N, K]`` with scales
     ``[G, ceil(N / 128), ceil(K / 128)]``: the forward's fp8 blocks transposed, bit for bit
     (each element is cast with the same multiplier)."""
     scales_t = scales.transpose(-2, -1)
+    b = rounded(b, round_to)
     _, k, n = b.shape
     return to_fp8(b.transpose(-2, -1), expand_blocks(scales_t, n, k)), scales_t
 

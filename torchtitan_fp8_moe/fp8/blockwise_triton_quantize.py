@@ -15,6 +15,7 @@ from .kernels.blockwise_quantize import (
     quantize_128x128,
     quantize_128x128_transposed,
 )
+from .quantize import rounded
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,19 +23,23 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_1x128(x)
 
 
-def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def weight(
+    b: torch.Tensor, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[G, K, N]`` -> fp8 ``[G, K, N]`` (K contiguous), scales ``[G, ceil(K / 128),
     ceil(N / 128)]``, and the scales again: what ``weight_transposed`` casts by. (The transposed
     copy is not made here: the backward would keep it, the weight's size in fp8, from the
-    forward on.)"""
-    data, scales, _ = quantize_128x128(b)
+    forward on.) Of ``b.to(round_to)``'s values (``quantize.rounded``)."""
+    data, scales, _ = quantize_128x128(rounded(b, round_to))
     return data, scales, scales
 
 
-def weight_transposed(b: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_transposed(
+    b: torch.Tensor, scales: torch.Tensor, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 of ``b^T [G, N, K]`` (N contiguous) with scales ``[G, ceil(N / 128), ceil(K / 128)]``:
     the forward's fp8 blocks transposed, bit for bit."""
-    return quantize_128x128_transposed(b, scales), scales.transpose(-2, -1)
+    return quantize_128x128_transposed(rounded(b, round_to), scales), scales.transpose(-2, -1)
 
 
 def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):

@@ -64,8 +64,8 @@ def quantize_shard(
     b = shard.transpose(-2, -1)
     data, scales, state = quantize_weight(b, FORWARD, quantize.weight, cached)
 
-    def transposed(b):
-        return quantize.weight_transposed(b, state)
+    def transposed(b, round_to=None):
+        return quantize.weight_transposed(b, state, round_to)
 
     return WeightPayloads(data, scales, *quantize_weight(b, INPUT_GRAD, transposed, cached))
 

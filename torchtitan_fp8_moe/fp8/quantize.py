@@ -35,6 +35,12 @@ def amax_along(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.maximum(x.amax(dim=dim), -x.amin(dim=dim)).float()
 
 
+def rounded(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``x``'s values as a cast to ``dtype`` holds them: what a weight quantizer quantizes when
+    its operand stands for such a cast (``round_to``: a lazy bf16 cast, ``weight/tensor.py``)."""
+    return x if dtype is None else x.to(dtype)
+
+
 def rowwise_scales(x: torch.Tensor, dim: int) -> torch.Tensor:
     """fp32 multipliers that map each slice of ``x`` along ``dim`` into fp8 range (keepdim)."""
     return scales_from_amax(amax_along(x, dim).unsqueeze(dim))

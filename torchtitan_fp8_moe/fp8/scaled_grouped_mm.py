@@ -97,8 +97,8 @@ def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Ten
     else:
         b, b_state = weight_saved
 
-        def transposed(b):
-            return quantize.weight_transposed(b, b_state)
+        def transposed(b, round_to=None):
+            return quantize.weight_transposed(b, b_state, round_to)
 
         b_t_fp8, b_t_scale = quantize_weight(b, "input_grad", transposed, ctx.cached)
     return ctx.recipe.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, dtype, ctx.emulate)

@@ -3,7 +3,7 @@
 import torch
 
 from .gemm import per_token, token_groups
-from .quantize import amax_along, quantize_rowwise, scales_from_amax, to_fp8
+from .quantize import amax_along, quantize_rowwise, rounded, scales_from_amax, to_fp8
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -11,18 +11,22 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rowwise(x, dim=-1)
 
 
-def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def weight(
+    b: torch.Tensor, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[G, K, N]`` -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K), and the amax over N
-    ``[G, K]`` that ``weight_transposed`` scales by (the CUDA kernel takes it in the same read)."""
+    ``[G, K]`` that ``weight_transposed`` scales by (the CUDA kernel takes it in the same read);
+    of ``b.to(round_to)``'s values (``quantize.rounded``)."""
+    b = rounded(b, round_to)
     return *quantize_rowwise(b, dim=-2), amax_along(b, dim=-1)
 
 
 def weight_transposed(
-    b: torch.Tensor, amax_over_n: torch.Tensor
+    b: torch.Tensor, amax_over_n: torch.Tensor, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[G, K, N]`` and its amax over N -> fp8 of ``b^T [G, N, K]``, scales ``[G, 1, K]``."""
     scales = scales_from_amax(amax_over_n).unsqueeze(-2)
-    return to_fp8(b.transpose(-2, -1), scales), scales
+    return to_fp8(rounded(b, round_to).transpose(-2, -1), scales), scales
 
 
 def _amax_per_group(x: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from .gemm import column_major
 from .kernels.triton_per_group import per_group_colwise_fp8, per_group_colwise_fp8_pair
 from .kernels.triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
 from .kernels.triton_transposed import transposed_fp8
-from .quantize import FP8_DTYPE, amax_along
+from .quantize import FP8_DTYPE, amax_along, rounded
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,29 +41,49 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 FUSED_AMAX_MIN_ROW = 4097
 
 
-def weight(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def weight(
+    b: torch.Tensor, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[G, K, N]`` (column-major) -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K), and
-    the amax over N ``[G, K]`` that ``weight_transposed`` scales by."""
+    the amax over N ``[G, K]`` that ``weight_transposed`` scales by; of ``b.to(round_to)``'s
+    values (``quantize.rounded``)."""
     b = column_major(b)  # K contiguous: each [K] column of b is one row of the storage
     if b.shape[-2] > MAX_ROW:
+        b = rounded(b, round_to)
         data, scales = triton_fp8_colwise_3d_scale_and_cast(
             b, output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
         )
         return data, scales, amax_along(b, dim=-1)
+    b, round_to_bf16 = _in_kernel_rounding(b, round_to)
     stored = b.transpose(-2, -1)
     if b.shape[-2] >= FUSED_AMAX_MIN_ROW:
-        data, scales, amax_over_n = rowwise_fp8_with_column_amax(stored)
+        data, scales, amax_over_n = rowwise_fp8_with_column_amax(stored, round_to_bf16)
     else:
-        (data, scales), amax_over_n = rowwise_fp8(stored), amax_along(b, dim=-1)
+        data, scales = rowwise_fp8(stored, round_to_bf16)
+        # Rounding to nearest is monotonic and symmetric: the amax of the rounded values is
+        # the rounded amax.
+        amax_over_n = amax_along(b, dim=-1)
+        if round_to_bf16:
+            amax_over_n = amax_over_n.bfloat16().float()
     return data.transpose(-2, -1), scales.transpose(-2, -1), amax_over_n
 
 
 def weight_transposed(
-    b: torch.Tensor, amax_over_n: torch.Tensor
+    b: torch.Tensor, amax_over_n: torch.Tensor, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[G, K, N]`` and its amax over N -> fp8 of ``b^T [G, N, K]``, scales ``[G, 1, K]``."""
-    data, scales = transposed_fp8(b, amax_over_n)
+    """``[G, K, N]`` and its amax over N -> fp8 of ``b^T [G, N, K]``, scales ``[G, 1, K]``; of
+    ``b.to(round_to)``'s values."""
+    b, round_to_bf16 = _in_kernel_rounding(b, round_to)
+    data, scales = transposed_fp8(b, amax_over_n, round_to_bf16)
     return data, scales.unsqueeze(-2)
+
+
+def _in_kernel_rounding(b: torch.Tensor, round_to: torch.dtype | None):
+    """``(b, True)`` where our kernels round b's values to ``round_to`` as they read them (fp32
+    to bf16: a lazy cast's weight then needs no bf16 copy), else ``(rounded(b), False)``."""
+    if round_to == torch.bfloat16 and b.dtype == torch.float32:
+        return b, True
+    return rounded(b, round_to), False
 
 
 def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):

@@ -29,7 +29,7 @@ it, so later copies get a fresh one.
 """
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -41,7 +41,8 @@ Quantized = tuple[torch.Tensor, ...]  # fp8 data, scales (, the amax of the othe
 
 class WeightQuantizer(Protocol):
     """What the fp8 GEMM calls for its weight's fp8 copy: (b, orientation, quantize) ->
-    ``quantize`` of the values b stands for, or an equal copy it already holds."""
+    ``quantize`` of the values b stands for, or an equal copy it already holds. ``quantize``
+    takes the values and ``round_to``: the dtype to round them to first (a cast's, or None)."""
 
     keeps_copies: bool  # its copies outlive the GEMM (then the backward's order rule counts them)
 
@@ -95,9 +96,10 @@ class WeightQuantCache:
         return self._generation
 
     def quantize(
-        self, b: torch.Tensor, orientation: str, quantize: Callable[[torch.Tensor], Quantized]
+        self, b: torch.Tensor, orientation: Hashable, quantize: Callable[[torch.Tensor], Quantized]
     ) -> Quantized:
-        """``quantize(b)``, from the cache while the weight is unchanged."""
+        """``quantize(b)``, from the cache while the weight is unchanged; ``orientation`` (with
+        b's layout) keys the copy."""
         key = (orientation, b.dtype, b.device, tuple(b.shape), b.stride(), b.storage_offset())
         generation = self._current_generation()
         entry = self._entries.get(key)
@@ -155,8 +157,10 @@ class CachedWeightQuantizer:
 
 
 class SourceValuesQuantizer:
-    """Quantizes the values a lazily cast weight was cast from (``weight/tensor.py``), through
-    their cache if they have one: the GEMM's ``b`` then holds only the cast's shape and dtype."""
+    """Quantizes the values a lazily cast weight was cast from (``weight/tensor.py``), rounded
+    to the cast's dtype as the quantizer reads them, through their cache if they have one: the
+    GEMM's ``b`` holds only the cast's shape and dtype, and gets the fp8 copies a copied cast
+    would, bit for bit."""
 
     def __init__(self, values: Callable[[], torch.Tensor], cache: WeightQuantCache | None):
         self.values = values  # returns the source values in b's layout, or raises if stale
@@ -172,6 +176,11 @@ class SourceValuesQuantizer:
                 f"float8_moe: the cast weight's values {list(values.shape)} do not match the "
                 f"GEMM operand {list(b.shape)}"
             )
+
+        def quantize_rounded(values):
+            return quantize(values, round_to=b.dtype)
+
         if self.cache is None:
-            return quantize(values)
-        return self.cache.quantize(values, orientation, quantize)
+            return quantize_rounded(values)
+        # Keyed apart from the unrounded values' own copies (an fp32 matmul of the parameter).
+        return self.cache.quantize(values, (orientation, b.dtype), quantize_rounded)

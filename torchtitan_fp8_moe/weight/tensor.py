@@ -7,9 +7,10 @@ op's schema and tags (``ops.py``), so a new op falls on the safe side:
   ``expand``, ``t``, FSDP's chunks) stay wrapped and share the weight's fp8 cache;
 - copies (``_to_copy``, ``clone``, ``*_copy`` ops) stay wrapped, with a cache of their own;
   the forward's cast of an fp32 parameter to bf16 (torchtitan's ``w.bfloat16()`` where no
-  FSDP casts) is lazy: it holds the fp32 values, its matmuls quantize them directly (one
-  rounding instead of two) and any other op sees them rounded to bf16, so no bf16 copy of the
-  weight lives from forward to backward (``_lazy_cast_dtype``);
+  FSDP casts) is lazy: it holds the fp32 values, its matmuls' quantizers round them to bf16 as
+  they read them (the fp8 copies of a copied cast, bit for bit) and any other op sees them
+  rounded to bf16, so no bf16 copy of the weight lives from forward to backward
+  (``_lazy_cast_dtype``);
 - pointwise ops (``w * 2``, an optimizer's ``grad + wd * w``), collectives and zero padding
   (DTensor's ``full_tensor()``) give a new wrapped weight, so what is computed from the weight is
   still multiplied in fp8 only;
@@ -350,9 +351,8 @@ class Float8MoEWeight(Fp8Weight):
 def _lazy_cast_dtype(func, args, kwargs) -> torch.dtype | None:
     """bf16 where ``func`` casts an fp32 parameter to bf16 in a forward that autograd records,
     eagerly, and changes nothing else: the cast torchtitan's grouped experts make where FSDP
-    does not cast (one device, DDP, FSDP with fp32 parameters). bf16 keeps fp32's exponent
-    range, so quantizing the fp32 values differs from quantizing their bf16 copy only by the
-    second rounding. Else None, and the cast makes a copy: ``model.to(torch.bfloat16)`` runs
+    does not cast (one device, DDP, FSDP with fp32 parameters). Else None, and the cast makes a
+    copy: ``model.to(torch.bfloat16)`` runs
     without grad, compiled models trace the copy (``WeightConfig.lazy_cast``), and a
     tensor-parallel weight's local tensor is no parameter."""
     if func is not aten._to_copy.default or len(args) != 1:

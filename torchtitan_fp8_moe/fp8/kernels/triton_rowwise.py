@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..opaque import compile_triton, launcher
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
-from .triton_rules import pow2_scale, saturate
+from .triton_rules import as_float32, pow2_scale, saturate
 
 # Rows up to this many elements fit one program's registers; longer rows are not supported here.
 MAX_ROW = 16384
@@ -53,9 +53,11 @@ def _rowwise_fp8_kernel(
     TILE_ROWS: tl.constexpr,
     ROW_TILES: tl.constexpr,
     COLUMN_AMAX: tl.constexpr,
+    ROUND_TO_BF16: tl.constexpr,
 ):
     """Rows of group ``program_id(1)`` (``n_rows`` rows of ``n_cols``); with COLUMN_AMAX also
-    the group's amax over its rows per column, as float32 bits in int32."""
+    the group's amax over its rows per column, as float32 bits in int32; with ROUND_TO_BF16 of
+    the values rounded to bf16."""
     group = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
@@ -82,9 +84,10 @@ def _rowwise_fp8_kernel(
                 mask=next_mask[:, None] & col_mask[None, :],
                 other=0.0,
             )
-        magnitude = tl.abs(x.to(tl.float32))
+        values = as_float32(x, ROUND_TO_BF16)
+        magnitude = tl.abs(values)
         scale = pow2_scale(tl.max(magnitude, axis=1), FP8_LIMIT, AMAX_FLOOR)
-        y = saturate(x.to(tl.float32) * scale[:, None], FP8_LIMIT)
+        y = saturate(values * scale[:, None], FP8_LIMIT)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + flat_rows, scale, mask=row_mask)
         if COLUMN_AMAX:
@@ -99,13 +102,16 @@ def _rowwise_fp8_kernel(
 
 
 def cast_rows(
-    x: torch.Tensor, column_amax: bool, out_dtype: torch.dtype = FP8_DTYPE
+    x: torch.Tensor,
+    column_amax: bool,
+    out_dtype: torch.dtype = FP8_DTYPE,
+    round_to_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``x [G, R, C]`` -> ``out_dtype [G, R, C]``, fp32 scales ``[G, R, 1]`` (per row over C),
     and with ``column_amax`` each group's amax of |x| over its rows, ``[G, C]`` float32 (NaN
-    if the column holds one). ``out_dtype`` other than fp8 keeps the scaled, saturated values
-    uncast (how the tests check the kernel in Triton's CPU interpreter, which does not round to
-    fp8 as the GPU does)."""
+    if the column holds one); with ``round_to_bf16``, all of it of ``x.bfloat16()``'s values.
+    ``out_dtype`` other than fp8 keeps the scaled, saturated values uncast (how the tests check
+    the kernel in Triton's CPU interpreter, which does not round to fp8 as the GPU does)."""
     groups, n_rows, n_cols = x.shape
     if n_cols > MAX_ROW:
         raise ValueError(f"rowwise fp8 cast: rows of {n_cols} elements exceed {MAX_ROW}")
@@ -135,24 +141,25 @@ def cast_rows(
             TILE_ROWS=tile_rows,
             ROW_TILES=row_tiles,
             COLUMN_AMAX=column_amax,
+            ROUND_TO_BF16=round_to_bf16,
             num_warps=max(4, min(16, block * tile_rows // 512)),
         )
     return out, scales, None if amax_bits is None else amax_bits.view(torch.float32)
 
 
-def _rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rowwise_fp8(x: torch.Tensor, round_to_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., C]`` -> fp8 ``[..., C]`` and fp32 scales ``[..., 1]`` (per row over C)."""
     rows = x.reshape(1, math.prod(x.shape[:-1]), x.shape[-1])
-    out, scales, _ = cast_rows(rows, column_amax=False)
+    out, scales, _ = cast_rows(rows, column_amax=False, round_to_bf16=round_to_bf16)
     return out.view(x.shape), scales.view(*x.shape[:-1], 1)
 
 
 def _rowwise_fp8_with_column_amax(
-    x: torch.Tensor,
+    x: torch.Tensor, round_to_bf16: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [G, R, C]`` -> fp8 ``[G, R, C]``, scales ``[G, R, 1]`` and the amax over each
     group's rows ``[G, C]``, from one read of x."""
-    return cast_rows(x, column_amax=True)
+    return cast_rows(x, column_amax=True, round_to_bf16=round_to_bf16)
 
 
 rowwise_fp8 = compile_triton("rowwise_fp8", _rowwise_fp8)

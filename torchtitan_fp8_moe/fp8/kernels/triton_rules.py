@@ -16,3 +16,17 @@ def pow2_scale(amax, FP8_LIMIT: tl.constexpr, AMAX_FLOOR: tl.constexpr):
 def saturate(scaled, FP8_LIMIT: tl.constexpr):
     """Clamp to the fp8 range; NaN stays NaN."""
     return tl.clamp(scaled, -FP8_LIMIT, FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def as_float32(x, ROUND_TO_BF16: tl.constexpr):
+    """``x`` as float32; with ROUND_TO_BF16 rounded to bf16's 8 significant bits first (to
+    nearest, ties to even, overflow to infinity, NaN kept: torch's cast), the values of a bf16
+    cast of ``x`` without making that cast in memory. In integer ops, so that Triton's CPU
+    interpreter (whose bf16 is float32) rounds as the GPU does."""
+    values = x.to(tl.float32)
+    if ROUND_TO_BF16:
+        bits = values.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000
+        values = tl.where(values != values, values, bits.to(tl.float32, bitcast=True))
+    return values

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..opaque import compile_triton, launcher
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
-from .triton_rules import pow2_scale, saturate
+from .triton_rules import as_float32, pow2_scale, saturate
 
 # Tile of BLOCK_K x BLOCK_N weight elements per program: read along the weight's contiguous dim,
 # written transposed, along N.
@@ -36,6 +36,7 @@ def _transposed_fp8_kernel(
     AMAX_FLOOR: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROUND_TO_BF16: tl.constexpr,
 ):
     group = tl.program_id(2).to(tl.int64)
     # int64: one expert's matrix may exceed 2**31 elements.
@@ -52,17 +53,21 @@ def _transposed_fp8_kernel(
         mask=mask,
         other=0.0,
     )
-    y = saturate(x.to(tl.float32) * scale[:, None], FP8_LIMIT)
+    y = saturate(as_float32(x, ROUND_TO_BF16) * scale[:, None], FP8_LIMIT)
     # b^T [G, N, K] column-major: element (g, n, k) at (g * K + k) * N + n.
     out_offsets = (group * n_k + ks)[:, None] * n_n + ns[None, :]
     tl.store(out_ptr + out_offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def cast_transposed(
-    b: torch.Tensor, amax_over_n: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+    b: torch.Tensor,
+    amax_over_n: torch.Tensor,
+    out_dtype: torch.dtype = FP8_DTYPE,
+    round_to_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``b [G, K, N]`` (any strides) and its amax over N ``[G, K]`` -> ``out_dtype`` ``b^T
-    [G, N, K]`` column-major and fp32 scales ``[G, K]``. ``out_dtype`` other than fp8 keeps
+    [G, N, K]`` column-major and fp32 scales ``[G, K]``; with ``round_to_bf16``, of
+    ``b.bfloat16()``'s values (``amax_over_n`` then theirs). ``out_dtype`` other than fp8 keeps
     the scaled, saturated values uncast (for Triton's CPU interpreter in the tests)."""
     groups, n_k, n_n = b.shape
     out = torch.empty((groups, n_k, n_n), dtype=out_dtype, device=b.device).transpose(-2, -1)
@@ -81,17 +86,18 @@ def cast_transposed(
             AMAX_FLOOR=AMAX_FLOOR,
             BLOCK_K=BLOCK_K,
             BLOCK_N=BLOCK_N,
+            ROUND_TO_BF16=round_to_bf16,
             num_warps=NUM_WARPS,
         )
     return out, scales
 
 
 def _transposed_fp8(
-    b: torch.Tensor, amax_over_n: torch.Tensor
+    b: torch.Tensor, amax_over_n: torch.Tensor, round_to_bf16: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 ``b^T [G, N, K]`` (column-major) and scales ``[G, K]`` from ``b [G, K, N]`` and its
     amax over N."""
-    return cast_transposed(b, amax_over_n)
+    return cast_transposed(b, amax_over_n, round_to_bf16=round_to_bf16)
 
 
 transposed_fp8 = compile_triton("transposed_fp8", _transposed_fp8)
