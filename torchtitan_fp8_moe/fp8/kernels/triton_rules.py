@@ -1,5 +1,7 @@
 """The rules of ``quantize.py`` as Triton device functions, shared by our fp8 cast kernels."""
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -18,15 +20,22 @@ def saturate(scaled, FP8_LIMIT: tl.constexpr):
     return tl.clamp(scaled, -FP8_LIMIT, FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL)
 
 
+# Triton's CPU interpreter holds bf16 as float32 (a cast to it does not round), so there the
+# rounding to bf16 below is done on the bits; on a GPU, by the conversion instruction.
+_ROUND_ON_BITS = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
 @triton.jit
 def as_float32(x, ROUND_TO_BF16: tl.constexpr):
-    """``x`` as float32; with ROUND_TO_BF16 rounded to bf16's 8 significant bits first (to
-    nearest, ties to even, overflow to infinity, NaN kept: torch's cast), the values of a bf16
-    cast of ``x`` without making that cast in memory. In integer ops, so that Triton's CPU
-    interpreter (whose bf16 is float32) rounds as the GPU does."""
+    """``x`` as float32; with ROUND_TO_BF16 rounded to bf16 first (to nearest, ties to even,
+    overflow to infinity, NaN kept: torch's cast), the values of a bf16 cast of ``x`` without
+    making that cast in memory."""
     values = x.to(tl.float32)
     if ROUND_TO_BF16:
-        bits = values.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000
-        values = tl.where(values != values, values, bits.to(tl.float32, bitcast=True))
+        if _ROUND_ON_BITS:
+            bits = values.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000
+            values = tl.where(values != values, values, bits.to(tl.float32, bitcast=True))
+        else:
+            values = values.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
     return values
