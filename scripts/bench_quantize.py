@@ -2,6 +2,7 @@
 
     python scripts/bench_quantize.py [--tokens 16384,65536] [--new-counts 3]
         [--out outputs/benchmarks/h200_quantize.json]
+    python scripts/bench_quantize.py --lazy-cast 5   # the lazy bf16 cast's weight casts
 
 For each token count M (16 experts, uneven token groups aligned to 16, Scout's 5120 x 8192):
 - the weight-gradient operands' per-group column-wise cast (``a [M, K]`` and ``grad [M, N]``,
@@ -54,6 +55,7 @@ TILES = [
 
 # (TILE_ROWS, ROW_TILES) of the forward weight cast timed by --sweep (tiles capped at MAX_TILE).
 WEIGHT_SWEEP = [(2, 16), (4, 16), (8, 16), (16, 16), (32, 16), (32, 8), (32, 4), (8, 8)]
+WEIGHT_SWEEP += [(4, 32), (2, 32), (4, 64)]
 
 
 def group_ends(tokens: int, seed: int, skew: float = 0.0, groups: int = EXPERTS) -> torch.Tensor:
@@ -203,6 +205,84 @@ def weight_casts(sweep: bool) -> list[dict]:
     return rows
 
 
+def lazy_cast_casts(repeat: int) -> list[dict]:
+    """The weight casts of an fp32 parameter's lazy bf16 cast (``weight/tensor.py``: the kernels
+    read fp32 and round to bf16 as they read) against quantizing a bf16 copy (the cast, then the
+    kernel: what compiled code and FSDP's bf16 parameters do) and the fp32 values unrounded;
+    medians of ``repeat`` interleaved rounds. Checks that the rounded casts equal the copy's."""
+    rows = []
+    for case in ("routed_w1", "routed_w2", "tp8_w1", "tp8_w2"):
+        groups, in_dim, out_dim = WEIGHT_CASES[case]
+        stored = torch.randn(groups, out_dim, in_dim, device="cuda") * 0.02
+        b = stored.transpose(-2, -1)
+        b16 = b.bfloat16()
+        amax = triton_quantize.weight(b, round_to=torch.bfloat16)[2]
+        lazy = (*triton_quantize.weight(b, round_to=torch.bfloat16), *_transposed(b, amax, True))
+        copied = (*triton_quantize.weight(b16), *_transposed(b16, amax, False))
+        equal = all(torch.equal(x.float(), y.float()) for x, y in zip(lazy, copied, strict=True))
+        timings = {
+            ("forward + amax over N", "bf16 copy"): partial(_cast_then_quantize, b),
+            ("forward + amax over N", "fp32 unrounded"): partial(triton_quantize.weight, b),
+            ("forward + amax over N", "fp32 rounded (lazy)"): partial(
+                triton_quantize.weight, b, round_to=torch.bfloat16
+            ),
+            ("transposed", "bf16 copy"): partial(_transposed, b16, amax, False),
+            ("transposed", "fp32 unrounded"): partial(triton_quantize.weight_transposed, b, amax),
+            ("transposed", "fp32 rounded (lazy)"): partial(_transposed, b, amax, True),
+        }
+        times: dict = {key: [] for key in timings}
+        for _ in range(repeat):
+            for key, fn in timings.items():
+                times[key].append(do_bench(fn, warmup=10, rep=100))
+        for (kernel, impl), ms in times.items():
+            rows.append(
+                {
+                    "kernel": f"lazy cast: weight {kernel}",
+                    "case": case,
+                    "impl": impl,
+                    "ms": round(statistics.median(ms), 4),
+                    "ms_min_max": [round(min(ms), 4), round(max(ms), 4)],
+                    "rounded_equal_to_bf16_copy": equal,
+                }
+            )
+    return rows
+
+
+def lazy_cast_sweep() -> list[dict]:
+    """The fp32 rounded forward weight cast at other tiles (rows per tile via MAX_TILE, tiles
+    per program): fp32 rows take twice the registers of bf16's, which the tile was chosen for."""
+    rows = []
+    shipped = (rowwise.FP32_MAX_TILE, rowwise.FP32_ROW_TILES)
+    for case in ("routed_w1", "routed_w2"):
+        groups, in_dim, out_dim = WEIGHT_CASES[case]
+        b = (torch.randn(groups, out_dim, in_dim, device="cuda") * 0.02).transpose(-2, -1)
+        want = triton_quantize.weight(b.bfloat16())
+        for max_tile in (8192, 16384, 32768):
+            for row_tiles in (4, 8, 16, 32, 64):
+                rowwise.FP32_MAX_TILE, rowwise.FP32_ROW_TILES = max_tile, row_tiles
+                fn = partial(triton_quantize.weight, b, round_to=torch.bfloat16)
+                same = [torch.equal(x.float(), y.float()) for x, y in zip(fn(), want, strict=True)]
+                rows.append(
+                    {
+                        "kernel": f"lazy cast: fp32 forward, max tile {max_tile} x {row_tiles}",
+                        "case": case,
+                        "impl": "float8_moe",
+                        "ms": round(do_bench(fn, warmup=10, rep=100), 4),
+                        "equal": all(same),
+                    }
+                )
+    rowwise.FP32_MAX_TILE, rowwise.FP32_ROW_TILES = shipped
+    return rows
+
+
+def _cast_then_quantize(b):
+    return triton_quantize.weight(b.bfloat16())
+
+
+def _transposed(b, amax, rounded: bool):
+    return triton_quantize.weight_transposed(b, amax, torch.bfloat16 if rounded else None)
+
+
 # (groups, in_dim, out_dim) of the weight-gradient operands timed: Scout's routed projections,
 # their TP 8 shards, and the shared expert (one group) whole and as a TP 8 shard.
 PER_GROUP_CASES = {
@@ -270,15 +350,25 @@ def main() -> None:
     )
     parser.add_argument("--sweep-tokens", type=int, default=32768)
     parser.add_argument("--weights-only", action="store_true", help="only the weight casts")
+    parser.add_argument(
+        "--lazy-cast",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="only the lazy bf16 cast's weight casts, in this many interleaved rounds",
+    )
     parser.add_argument("--out", default="outputs/benchmarks/h200_quantize.json")
     args = parser.parse_args()
-    rows = [] if args.weights_only else per_group_casts(args)
-    rows += weight_casts(args.sweep)
-    print(f"{'kernel':<36}{'case':<11}{'M':>7} {'impl':<11}{'ms / first-call s':>20}")
+    if args.lazy_cast:
+        rows = lazy_cast_casts(args.lazy_cast) + (lazy_cast_sweep() if args.sweep else [])
+    else:
+        rows = [] if args.weights_only else per_group_casts(args)
+        rows += weight_casts(args.sweep)
+    print(f"{'kernel':<44}{'case':<11}{'M':>7} {'impl':<11}{'ms / first-call s':>20}")
     for r in rows:
         value = r.get("ms", r.get("seconds"))
         print(
-            f"{r['kernel']:<36}{r.get('case', '-'):<11}{r.get('tokens', '-'):>7} "
+            f"{r['kernel']:<44}{r.get('case', '-'):<11}{r.get('tokens', '-'):>7} "
             f"{r['impl']:<11}{value!s:>20}"
         )
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -108,7 +108,9 @@ ROWS = [
         WORKS,
         "compiled = eager exactly (routed experts lowered by inductor, shared experts traced "
         "by dynamo and AOTAutograd), eager with the lazy bf16 cast on or off (the converter "
-        "turns it off for compiled models); trainer within 0.005 (whole model, inductor)",
+        "turns it off for compiled models); trainer within 0.005 (whole model, inductor, CPU). "
+        "Known bug: on CUDA the compiled trainer's fp8 losses leave eager's from step 2 "
+        "(limitations.md)",
         [
             "test_compile.py::test_compiled_experts_equal_eager",
             "test_lazy_cast.py::test_casts_that_copy",

@@ -37,6 +37,12 @@ MAX_TILE = 32768
 # tile per program, to spread them over more programs, was 1.3-3.5x slower on the H200
 # (docs/benchmarks/archive/2026-12-01-weight-cast-launches/).
 TILE_ROWS, ROW_TILES = 4, 16
+# fp32 weights (a lazy bf16 cast's, one device; fp32 parameters under autocast) take twice the
+# registers per row: half the tile and twice the tiles per program cast a Scout routed weight
+# in 1.01 / 0.90 ms (w1 / w2) against 1.84 / 1.46 ms at the bf16 shape, also faster than
+# casting to bf16 first and quantizing that (1.67 / 1.56 ms; an H200, `scripts/bench_quantize.py
+# --lazy-cast 1 --sweep`, docs/benchmarks/archive/2026-12-03-bit-identical-lazy-cast/).
+FP32_MAX_TILE, FP32_ROW_TILES = 16384, 32
 
 
 @triton.jit
@@ -126,7 +132,10 @@ def cast_rows(
         block = triton.next_power_of_2(n_cols)
         tile_rows, row_tiles = 1, 1
         if column_amax:
-            tile_rows, row_tiles = max(1, min(TILE_ROWS, MAX_TILE // block)), ROW_TILES
+            max_tile, row_tiles = (
+                (FP32_MAX_TILE, FP32_ROW_TILES) if x.element_size() == 4 else (MAX_TILE, ROW_TILES)
+            )
+            tile_rows = max(1, min(TILE_ROWS, max_tile // block))
         grid = (triton.cdiv(n_rows, tile_rows * row_tiles), groups)
         launcher(_rowwise_fp8_kernel, x)[grid](
             x,
