@@ -39,7 +39,7 @@ MAX_TILE = 32768
 TILE_ROWS, ROW_TILES = 4, 16
 # fp32 weights (a lazy bf16 cast's, one device; fp32 parameters under autocast) take twice the
 # registers per row: half the tile and twice the tiles per program cast a Scout routed weight
-# in 1.01 / 0.90 ms (w1 / w2) against 1.84 / 1.46 ms at the bf16 shape, also faster than
+# in 1.01 / 0.90 ms (w1 / w2) against 1.84 / 1.47 ms at the bf16 shape, also faster than
 # casting to bf16 first and quantizing that (1.67 / 1.56 ms; an H200, `scripts/bench_quantize.py
 # --lazy-cast 1 --sweep`, docs/benchmarks/archive/2026-12-03-bit-identical-lazy-cast/).
 FP32_MAX_TILE, FP32_ROW_TILES = 16384, 32
