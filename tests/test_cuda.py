@@ -319,3 +319,34 @@ def test_a_shared_experts_backward_keeps_no_cast_after_it():
     x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ffn(x).sum().backward()
     assert cast_reuse._slot.kept is None
+
+
+def test_compiled_chunked_per_group_cast_equals_eager():
+    """The weight gradient's per-group cast of a shared expert (one group: the chunked kernels,
+    which take each operand's amax by atomic max into a zeroed buffer) compiled by inductor
+    equals eager, with the allocator's free blocks holding large values first. With both amax
+    buffers slices of one, inductor cloned the second from outside its slice and the compiled
+    trainer's shared-expert weight gradients came out wrong (docs/limitations.md)."""
+    from torchtitan_fp8_moe.fp8.kernels.triton_per_group import per_group_colwise_fp8_pair
+
+    torch.manual_seed(0)
+    tokens, k, n = 8192, 5120, 8192  # Scout's shared expert, w1 / w3
+    a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    offs = torch.tensor([tokens], device="cuda", dtype=torch.int32)
+
+    def both(a, grad, offs):  # two casts of the same shapes in one graph, as w3's then w1's
+        return per_group_colwise_fp8_pair(a, grad, offs), per_group_colwise_fp8_pair(
+            a, grad * 2, offs
+        )
+
+    expected = both(a, grad, offs)
+    compiled = torch.compile(both, fullgraph=True)
+    for _ in range(2):
+        poison = [torch.full((8192,), 1e4, device="cuda") for _ in range(512)]
+        del poison  # back to the allocator's free blocks, contents kept
+        for want, got in zip(expected, compiled(a, grad, offs), strict=True):
+            for x, y in zip(want, got, strict=True):
+                if x.dtype.itemsize == 1:
+                    x, y = x.view(torch.uint8), y.view(torch.uint8)
+                assert torch.equal(x, y)

@@ -363,9 +363,12 @@ def cast_per_group_colwise_pair(
             a_col_blocks, **limits, **tile,
         )  # fmt: skip
         return a_out, a_scales, grad_out, grad_scales
-    # One zeroed buffer (one memset) holds both tensors' amax bits.
-    amax_bits = torch.zeros(groups * (a_cols + grad_cols), dtype=torch.int32, device=a.device)
-    a_amax, grad_amax = amax_bits[: groups * a_cols], amax_bits[groups * a_cols :]
+    # A zeroed buffer of its own per tensor: the kernels write them by atomic max. (Slices of
+    # one buffer, as before, were cloned by inductor's functionalization of the triton op from
+    # outside the slice's storage: the second operand's amax started from other memory, and
+    # the compiled trainer's weight gradients came out wrong, docs/limitations.md.)
+    a_amax = torch.zeros(groups * a_cols, dtype=torch.int32, device=a.device)
+    grad_amax = torch.zeros(groups * grad_cols, dtype=torch.int32, device=a.device)
     # At least one chunk: the cast launch's first chunk writes every group's scales.
     grid = (col_blocks, torch.sym_max(1, triton.cdiv(n_rows, chunk_rows)))
     launcher(_per_group_amax_kernel, a)[grid](
