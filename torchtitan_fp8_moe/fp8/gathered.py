@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .recipes import Recipe
-from .scaled_grouped_mm import quantize_weight
+from .scaled_grouped_mm import quantize_weight, transposed_quantizer
 from .weight_cache import WeightPayloads, WeightQuantizer
 
 FORWARD, INPUT_GRAD = "forward", "input_grad"
@@ -63,10 +63,7 @@ def quantize_shard(
     quantize = recipe.quantizers(emulate)
     b = shard.transpose(-2, -1)
     data, scales, state = quantize_weight(b, FORWARD, quantize.weight, cached)
-
-    def transposed(b, round_to=None):
-        return quantize.weight_transposed(b, state, round_to)
-
+    transposed = transposed_quantizer(quantize, state)
     return WeightPayloads(data, scales, *quantize_weight(b, INPUT_GRAD, transposed, cached))
 
 

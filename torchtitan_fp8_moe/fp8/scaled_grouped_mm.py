@@ -27,6 +27,16 @@ def quantize_weight(b, orientation: str, quantize, cached: WeightQuantizer | Non
     return quantize(b) if cached is None else cached(b, orientation, quantize)
 
 
+def transposed_quantizer(quantize, state):
+    """The input-gradient orientation's quantizer for ``quantize_weight``: b^T's fp8 copy cast
+    by ``state``, what the forward cast of b returned besides its own copy."""
+
+    def transposed(b, round_to=None):
+        return quantize.weight_transposed(b, state, round_to)
+
+    return transposed
+
+
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, offs, recipe: Recipe, emulate: bool, cached, *b_payloads):
@@ -96,10 +106,7 @@ def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Ten
         b_t_fp8, b_t_scale = weight_saved
     else:
         b, b_state = weight_saved
-
-        def transposed(b, round_to=None):
-            return quantize.weight_transposed(b, b_state, round_to)
-
+        transposed = transposed_quantizer(quantize, b_state)
         b_t_fp8, b_t_scale = quantize_weight(b, "input_grad", transposed, ctx.cached)
     return ctx.recipe.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, dtype, ctx.emulate)
 

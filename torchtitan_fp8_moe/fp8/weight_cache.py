@@ -47,7 +47,7 @@ class WeightQuantizer(Protocol):
     keeps_copies: bool  # its copies outlive the GEMM (then the backward's order rule counts them)
 
     def __call__(
-        self, b: torch.Tensor, orientation: str, quantize: Callable[[torch.Tensor], Quantized]
+        self, b: torch.Tensor, orientation: str, quantize: Callable[..., Quantized]
     ) -> Quantized: ...
 
 
@@ -96,7 +96,7 @@ class WeightQuantCache:
         return self._generation
 
     def quantize(
-        self, b: torch.Tensor, orientation: Hashable, quantize: Callable[[torch.Tensor], Quantized]
+        self, b: torch.Tensor, orientation: Hashable, quantize: Callable[..., Quantized]
     ) -> Quantized:
         """``quantize(b)``, from the cache while the weight is unchanged; ``orientation`` (with
         b's layout) keys the copy."""

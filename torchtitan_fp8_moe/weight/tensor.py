@@ -352,9 +352,8 @@ def _lazy_cast_dtype(func, args, kwargs) -> torch.dtype | None:
     """bf16 where ``func`` casts an fp32 parameter to bf16 in a forward that autograd records,
     eagerly, and changes nothing else: the cast torchtitan's grouped experts make where FSDP
     does not cast (one device, DDP, FSDP with fp32 parameters). Else None, and the cast makes a
-    copy: ``model.to(torch.bfloat16)`` runs
-    without grad, compiled models trace the copy (``WeightConfig.lazy_cast``), and a
-    tensor-parallel weight's local tensor is no parameter."""
+    copy: ``model.to(torch.bfloat16)`` runs without grad, compiled models trace the copy
+    (``WeightConfig.lazy_cast``), and a tensor-parallel weight's local tensor is no parameter."""
     if func is not aten._to_copy.default or len(args) != 1:
         return None
     (source,) = args
