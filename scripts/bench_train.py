@@ -6,7 +6,8 @@
 
 Variant suffixes: ``+compile`` (torch.compile), ``+cache`` (``--float8_moe.cache_fp8_weights``),
 ``+fp8ag`` (``--float8_moe.fp8_all_gather``: FSDP gathers fp8 payloads), ``+blockwise``
-(``--float8_moe.recipe=blockwise``), ``+dense`` (torchtitan's fp8 rowwise
+(``--float8_moe.recipe=blockwise``), ``+always`` (``--float8_moe.policy=always``: every selected
+weight in fp8, where the default ``auto`` may keep some bf16), ``+dense`` (torchtitan's fp8 rowwise
 ``quantize.linear.float8`` on the dense linears as well).
 
 Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
@@ -65,6 +66,7 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         *(["--float8_moe.cache_fp8_weights"] if "+cache" in variant else []),
         *(["--float8_moe.fp8_all_gather"] if "+fp8ag" in variant else []),
         *(["--float8_moe.recipe=blockwise"] if "+blockwise" in variant else []),
+        *(["--float8_moe.policy=always"] if "+always" in variant else []),
         *(dense_fp8(variant) if "+dense" in variant else []),
         *extra,
     ]

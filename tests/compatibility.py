@@ -109,8 +109,8 @@ ROWS = [
         "compiled = eager exactly (routed experts lowered by inductor, shared experts traced "
         "by dynamo and AOTAutograd), eager with the lazy bf16 cast on or off (the converter "
         "turns it off for compiled models); trainer within 0.005 (whole model, inductor, CPU). "
-        "On CUDA the compiled trainer's fp8 losses left eager's from step 2 (a per-group cast "
-        "read out of bounds; fixed, the fix not yet run on a GPU: limitations.md)",
+        "On an H200 the compiled trainer logs eager's losses "
+        "(`test_cuda.py::test_compiled_chunked_per_group_cast_equals_eager`)",
         [
             "test_compile.py::test_compiled_experts_equal_eager",
             "test_lazy_cast.py::test_casts_that_copy",

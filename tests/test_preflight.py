@@ -106,6 +106,31 @@ def test_scout_at_64_ranks_plans_in_seconds(capsys):
     assert seconds < 15, seconds  # under 1 s on an idle laptop core
 
 
+@pytest.mark.parametrize(
+    "config, policy, converted, kept",
+    [
+        # Qwen3-30B-A3B's 768-wide experts at 16K tokens: fp8 would be slower, auto keeps them
+        ("train_configs/qwen3_30b_a3b_4layers.toml", "auto", 0, 12),
+        ("train_configs/qwen3_30b_a3b_4layers.toml", "always", 12, 0),
+        # Scout's 8192-wide experts (routed and shared) at 32K tokens: fp8 pays
+        ("train_configs/llama4_scout_2layers.toml", "auto", 12, 0),
+    ],
+)
+def test_one_gpu_trainer_configs_get_the_policy_verdicts_benchmarked(
+    capsys, config, policy, converted, kept
+):
+    """The end-to-end benchmark's configs (scripts/bench_train.py, docs/benchmarks): which
+    weights the default policy converts on one H200."""
+    rc, out, err = _preflight(
+        capsys, "--config", config, "--ngpu", "1", f"--float8_moe.policy={policy}"
+    )
+    assert rc == 0, out + err
+    bf16_rows = _rows(r"^layers\.\d+\.moe\.\S+ .* bf16 \(auto: fp8 est\. [\d.]+ ms slower\)", out)
+    assert len(bf16_rows) == kept, out
+    totals = f"totals: {converted} converted weights"
+    assert totals + (f" ({kept} kept in bf16 by the auto policy)" if kept else ",") in out, out
+
+
 @pytest.mark.slow  # the command line in a process of its own: about 12 s of imports
 def test_unmatched_fqns_exit_with_the_converters_message():
     proc = _preflight_process("--config", SEED_CONFIG, "--ngpu", "8", "--float8_moe.fqns=router")
