@@ -1,6 +1,6 @@
 """Real MoE models cut down to a few layers: their width and expert shapes at a size that trains
-on one GPU, for end-to-end bf16-vs-fp8 runs. Llama4 Scout (dim 5120, hidden 8192, 16 routed
-experts, one shared expert) shows where fp8 pays; Qwen3-30B-A3B (dim 2048, 128 experts of
+on one or two GPUs, for end-to-end bf16-vs-fp8 runs. Llama4 Scout (dim 5120, hidden 8192, 16
+routed experts, one shared expert) shows where fp8 pays; Qwen3-30B-A3B (dim 2048, 128 experts of
 hidden 768, top 8) where the `auto` policy keeps narrow experts bf16. The vocabulary is the
 bundled tokenizer's (2048), so the embedding and output layers do not dwarf the experts being
 measured."""
