@@ -1,7 +1,7 @@
 """Blockwise fp8 (ours, Triton) against bf16, torch's fp8 rowwise and torchao's blockwise
 prototype: each grouped GEMM alone and with its casts, and a whole routed expert layer.
 
-    python scripts/bench_blockwise.py [--quick] [--repeat 3]
+    python scripts/bench_blockwise.py [--quick | --only scout_16k,...] [--repeat 3]
         [--out outputs/benchmarks/blockwise.json]
 
 GEMM rows, per shape (token groups even and 128-aligned; Llama4 Scout's routed projection, 16
@@ -187,6 +187,61 @@ class GemmCase:
             )
 
         return {op: (lambda args=operands[op]: call(*args)) for op in OPS}
+
+    def cublas(self):
+        """torch's blockwise ``scaled_mm`` (cuBLAS on Hopper), dense, one call per group, on the
+        same fp8 operands: decode scales (our multipliers' inverses), scales column-major
+        (1x128: [rows, blocks]; 128x128: [contraction blocks, output blocks])."""
+        from torch.nn.functional import ScalingType, scaled_mm
+
+        tile, block = ScalingType.BlockWise1x128, ScalingType.BlockWise128x128
+        spans = list(zip([0, *self.ends[:-1]], self.ends, strict=True))
+
+        def outer_major(scale):  # column-major: [rows, blocks] or [blocks, blocks]
+            return scale.reciprocal().t().contiguous().t()
+
+        def call(a, a_scale, a_recipe, b, b_scale, b_recipe):
+            return scaled_mm(
+                a, b, a_scale, a_recipe, b_scale, b_recipe, output_dtype=torch.bfloat16
+            )
+
+        x, x_s = self.x_q
+        dy, dy_s = self.dy_q
+        w, w_s = self.w_q  # [G, K, N] K contiguous, scales [G, Kb, Nb]
+        w_t, w_t_s = self.w_t_q  # [G, N, K] N contiguous, scales [G, Nb, Kb]
+        x_c, x_c_s, dy_c, dy_c_s = self.pair
+        fwd_args = [
+            (x[s:e], outer_major(x_s[s:e]), tile, w[g], outer_major(w_s[g]), block)
+            for g, (s, e) in enumerate(spans)
+        ]
+        dgrad_args = [
+            (
+                dy[s:e],
+                outer_major(dy_s[s:e]),
+                tile,
+                w_t[g],
+                outer_major(w_t_s[g]),
+                block,
+            )
+            for g, (s, e) in enumerate(spans)
+        ]
+        # dW_g^T [N, K] = dy_g^T [N, M_g] . x_g [M_g, K], 1x128 tiles along the tokens on both.
+        wgrad_args = [
+            (
+                dy_c[s:e].t(),
+                dy_c_s[s // 128 : e // 128].reciprocal().t(),
+                tile,
+                x_c[s:e],
+                x_c_s[s // 128 : e // 128].reciprocal().t(),
+                tile,
+            )
+            for s, e in spans
+        ]
+        return {
+            "fwd": lambda: [call(*args) for args in fwd_args],
+            "dgrad": lambda: [call(*args) for args in dgrad_args],
+            "wgrad": lambda: [call(*args) for args in wgrad_args],
+        }
 
     def torchao(self):
         """torchao's dense blockwise kernels, one call per group (they multiply by
@@ -421,6 +476,7 @@ def run_gemm_shape(shape, repeat: int) -> dict:
         "blockwise+cast": case.blockwise_with_casts,
         "rowwise": case.rowwise,
         "torchao": case.torchao,
+        "cublas": case.cublas,
     }
     calls = {}
     for impl, make in impls.items():
@@ -432,6 +488,20 @@ def run_gemm_shape(shape, repeat: int) -> dict:
         entry["checks"] = check_gemms(case)
     except Exception as error:
         entry["notes"]["checks"] = _error(error)
+    try:
+        calls_cublas = case.cublas()
+        ours = {"fwd": case.fwd(), "dgrad": case.dgrad(), "wgrad": case.wgrad()}
+        theirs = {
+            "fwd": torch.cat(calls_cublas["fwd"]()),
+            "dgrad": torch.cat(calls_cublas["dgrad"]()),
+            "wgrad": torch.stack([t.t() for t in calls_cublas["wgrad"]()]),
+        }
+        for op in OPS:
+            entry["checks"][f"cublas_{op}_sqnr_vs_ours"] = round(
+                sqnr(ours[op].float(), theirs[op].float()), 2
+            )
+    except Exception as error:
+        entry["notes"]["cublas_check"] = _error(error)
     entry["rows"] = measure(calls, repeat, 100, case.flops())
     title = f"{name}: GEMMs, M={tokens} K={k} N={n} groups={experts}"
     print_table(title, entry["rows"], entry["checks"], entry["notes"])
@@ -457,6 +527,7 @@ def run_layer_shape(shape, repeat: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only {sorted(QUICK)}")
+    parser.add_argument("--only", default="", help="comma-separated shape names (default: all)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", default="outputs/benchmarks/blockwise.json")
     args = parser.parse_args()
@@ -472,12 +543,17 @@ def main() -> None:
         "gemms": [],
         "layers": [],
     }
+    only = set(filter(None, args.only.split(",")))
+
+    def chosen(name: str) -> bool:
+        return (name in only) if only else (not args.quick or name in QUICK)
+
     for shape in GEMM_SHAPES:
-        if not args.quick or shape[0] in QUICK:
+        if chosen(shape[0]):
             report["gemms"].append(run_gemm_shape(shape, args.repeat))
             torch.cuda.empty_cache()
     for shape in LAYER_SHAPES:
-        if not args.quick or shape[0] in QUICK:
+        if chosen(shape[0]):
             report["layers"].append(run_layer_shape(shape, args.repeat))
             torch.cuda.empty_cache()
     report["autotuned"] = {

@@ -10,6 +10,11 @@ Variant suffixes: ``+compile`` (torch.compile), ``+cache`` (``--float8_moe.cache
 weight in fp8, where the default ``auto`` may keep some bf16), ``+dense`` (torchtitan's fp8 rowwise
 ``quantize.linear.float8`` on the dense linears as well).
 
+``--memory-cap-gib X`` caps each process's CUDA caching allocator at X GiB
+(``torch.cuda.set_per_process_memory_fraction``): the allocator then frees its cached blocks
+and retries before it reserves more, so a run that passes shows the memory it needs, not what it
+chose to keep cached; a run that needs more fails with CUDA out of memory.
+
 Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
 per-step log lines, and reports the median tokens/s per device and the peak reserved memory over
 the steps after warm-up, the loss curve, and the speedup over bf16 of the same compile setting.
@@ -55,6 +60,23 @@ def _without_converters(config: str, folder: Path) -> Path:
     return path
 
 
+def _memory_cap_site(cap_gib: float, folder: Path) -> Path:
+    """A folder whose ``sitecustomize.py`` caps the CUDA allocator of each trainer process
+    (torchrun's workers have LOCAL_RANK; torchrun itself is left alone)."""
+    site = (folder / "memory_cap_site").resolve()
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "if 'LOCAL_RANK' in os.environ:\n"
+        "    import torch\n"
+        "    if torch.cuda.is_available():\n"
+        "        device = int(os.environ['LOCAL_RANK'])\n"
+        "        total = torch.cuda.get_device_properties(device).total_memory\n"
+        f"        torch.cuda.set_per_process_memory_fraction({cap_gib} * 2**30 / total, device)\n"
+    )
+    return site
+
+
 def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
     config = args.config
     if variant.startswith("bf16"):
@@ -71,6 +93,11 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         *extra,
     ]
     env = dict(os.environ, NGPU=str(args.ngpu), CONFIG_FILE=str(config))
+    if args.memory_cap_gib:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(_memory_cap_site(args.memory_cap_gib, Path(args.out).parent))]
+            + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        )
     started = time.perf_counter()
     proc = subprocess.run(
         ["./scripts/run_train.sh", *overrides], cwd=REPO, env=env, capture_output=True, text=True
@@ -96,6 +123,8 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         "alloc_conf": {
             name: os.environ.get(name) for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
         },
+        "memory_cap_gib": args.memory_cap_gib,
+        "out_of_memory": "OutOfMemoryError" in log or "CUDA out of memory" in log,
         "steps_logged": len(steps),
         "log": log_path.name,
         "overrides": overrides,
@@ -121,6 +150,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the medians")
     parser.add_argument("--repeat", type=int, default=1, help="runs per variant, interleaved")
     parser.add_argument("--out", default="outputs/benchmarks/h200_train.json")
+    parser.add_argument("--memory-cap-gib", type=float, default=None)
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -189,3 +189,66 @@ def test_grouped_mm_compiles_without_graph_breaks():
     offs = torch.tensor([0, 256, 256, 1280, 1900], dtype=torch.int32, device="cuda")
     want = blockwise_grouped_mm_wgrad(x_data, x_scale, g_data, g_scale, offs)
     assert torch.equal(wgrad(x_data, x_scale, g_data, g_scale, offs), want)
+
+
+# Shapes cuBLAS takes: weight dims multiples of 128, 128-aligned groups (an empty one, rows past
+# the last group in the first case).
+CUBLAS_CASES = [(2048, 640, 1024, [0, 256, 256, 1280, 1792]), (1024, 2048, 256, [1024])]
+
+
+@pytest.mark.parametrize("m,k,n,ends", CUBLAS_CASES)
+def test_cublas_gemms_equal_the_triton_kernels_bit_for_bit(m, k, n, ends):
+    """The recipe's CUDA GEMMs (cuBLAS's blockwise scaled_mm per group where the GPU has it, as
+    an H200 with torch 2.11 does) give the Triton kernels' bf16 results exactly: forward, input
+    gradient, weight gradient, eager and compiled."""
+    from torchtitan_fp8_moe.fp8.kernels import blockwise_cublas
+
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert blockwise_cublas._device_has_blockwise_scaled_mm(torch.device("cuda", 0))
+    torch.manual_seed(0)
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    x, dy = torch.randn(m, k, device="cuda"), torch.randn(m, n, device="cuda")
+    w = (torch.randn(len(ends), n, k, device="cuda") * 0.02).transpose(-2, -1)
+    (x_data, x_scale), (dy_data, dy_scale) = cuda.rows(x), cuda.rows(dy)
+    w_data, w_scale, state = cuda.weight(w)
+    bf16 = torch.bfloat16
+    for ops in (blockwise_cublas, torch.compile(blockwise_cublas.blockwise_grouped_mm)):
+        cublas_mm = ops.blockwise_grouped_mm if ops is blockwise_cublas else ops
+        got = cublas_mm(x_data, x_scale, w_data, w_scale, offs, bf16)
+        want = blockwise_grouped_mm(x_data, x_scale, w_data, w_scale, offs, bf16)
+        assert torch.equal(got, want) and not got[ends[-1] :].any()
+        w_t = cuda.weight_transposed(w, state)
+        got = cublas_mm(dy_data, dy_scale, *w_t, offs, bf16)
+        assert torch.equal(got, blockwise_grouped_mm(dy_data, dy_scale, *w_t, offs, bf16))
+    pair = cuda.per_group_pair(x, dy, offs)
+    blocks = -(-m // 128)
+    x_c, x_c_scale, dy_c, dy_c_scale = pair[0], pair[1][:blocks], pair[2], pair[3][:blocks]
+    want = blockwise_grouped_mm_wgrad(x_c, x_c_scale, dy_c, dy_c_scale, offs, bf16)
+    for wgrad in (
+        blockwise_cublas.blockwise_grouped_mm_wgrad,
+        torch.compile(blockwise_cublas.blockwise_grouped_mm_wgrad),
+    ):
+        assert torch.equal(wgrad(x_c, x_c_scale, dy_c, dy_c_scale, offs, bf16), want)
+
+
+def test_cublas_path_runs_the_triton_kernels_where_cublas_cannot():
+    """Weight dims that are no multiples of 128, groups that are no multiple of 128 tokens, an
+    fp32 output: the Triton kernels' results, not an error."""
+    from torchtitan_fp8_moe.fp8.kernels import blockwise_cublas
+
+    m, k, n, ends = GEMM_CASES[0]  # N = 1000, groups of 300 tokens
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    x_data, x_scale, w_data, w_scale = _operands(m, k, n, len(ends))
+    for out_dtype in (torch.bfloat16, torch.float32):
+        got = blockwise_cublas.blockwise_grouped_mm(
+            x_data, x_scale, w_data, w_scale, offs, out_dtype
+        )
+        want = blockwise_grouped_mm(x_data, x_scale, w_data, w_scale, offs, out_dtype)
+        assert torch.equal(got, want)
+    m, k, n, ends = CUBLAS_CASES[0]
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    pair = cuda.per_group_pair(spread(m, k).cuda(), spread(m, n).cuda(), offs)
+    blocks = -(-m // 128)
+    operands = (pair[0], pair[1][:blocks], pair[2], pair[3][:blocks], offs, torch.float32)
+    got = blockwise_cublas.blockwise_grouped_mm_wgrad(*operands)
+    assert torch.equal(got, blockwise_grouped_mm_wgrad(*operands))

@@ -320,3 +320,22 @@ def test_blockwise_gemms_have_shape_rules():
         g = torch.empty(300, 130, dtype=FP8_DTYPE)
         wgrad = blockwise_grouped_mm_wgrad(a, torch.empty(3, 200), g, torch.empty(3, 130), offs)
         assert (wgrad.shape, wgrad.dtype) == ((4, 200, 130), torch.float32)
+
+
+def test_cuda_recipe_traces_under_fake_tensors():
+    """The blockwise recipe's CUDA path (casts and GEMMs, forward and backward) on fake tensors,
+    as torch.compile runs it first: every kernel is behind an op with a shape rule. (The casts
+    launched their kernels directly, which read a fake tensor's data: the first compiled
+    blockwise step on CUDA failed.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchtitan_fp8_moe.fp8 import fp8_grouped_mm, recipe_named
+
+    with FakeTensorMode():
+        a = torch.empty(1024, 256, dtype=torch.bfloat16, requires_grad=True)
+        b = torch.empty(4, 256, 512, dtype=torch.bfloat16, requires_grad=True)
+        offs = torch.empty(4, dtype=torch.int32)
+        out = fp8_grouped_mm(a, b, offs, recipe_named("blockwise"), emulate=False)
+        out.sum().backward()
+        assert out.shape == (1024, 512) and out.dtype == torch.bfloat16
+        assert a.grad.shape == a.shape and b.grad.shape == b.shape

@@ -13,7 +13,7 @@ A 3D x 3D batched matmul is the same thing with one group per batch entry, and a
 
 import torch
 
-from . import cast_reuse
+from . import cast_reuse, host_offsets
 from .recipes import Recipe
 from .weight_cache import WeightPayloads, WeightQuantizer
 
@@ -133,6 +133,7 @@ def fp8_batched_mm(
     """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8."""
     groups, tokens, _ = a.shape
     offs = torch.arange(1, groups + 1, device=a.device, dtype=torch.int32) * tokens
+    host_offsets.remember(offs, [tokens * (group + 1) for group in range(groups)])
     out = fp8_grouped_mm(a.reshape(groups * tokens, -1), b, offs, recipe, emulate, cached)
     return out.view(groups, tokens, -1)
 
@@ -143,5 +144,6 @@ def fp8_matmul(
     """``a [..., K] @ b [K, N]`` in fp8 (a linear layer's ``x @ W^T`` has b = W^T)."""
     a_2d = a.reshape(-1, a.shape[-1])
     offs = torch.full((1,), a_2d.shape[0], device=a.device, dtype=torch.int32)
+    host_offsets.remember(offs, [a_2d.shape[0]])
     out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, recipe, emulate, cached)
     return out.view(*a.shape[:-1], b.shape[-1])

@@ -244,6 +244,26 @@ def _check_offs(offs: torch.Tensor | None, groups: int) -> None:
         )
 
 
+def check_grouped_mm_operands(a, a_scale, b, b_scale, offs) -> None:
+    """``a [M, K]`` with 1x128 tile scales, ``b [G, K, N]`` with 128x128 block scales."""
+    m, k = a.shape
+    groups, _, n = b.shape
+    _expect("a_scale", a_scale, (m, blocks(k)), torch.float32)
+    _expect("b", b, (groups, k, n), a.dtype)
+    _expect("b_scale", b_scale, (groups, blocks(k), blocks(n)), torch.float32)
+    _check_offs(offs, groups)
+
+
+def check_wgrad_operands(a, a_scale, g, g_scale, offs) -> None:
+    """``a [M, K]``, ``g [M, N]``, each with scales per 128-token tile."""
+    m, k = a.shape
+    n = g.shape[1]
+    _expect("a_scale", a_scale, (blocks(m), k), torch.float32)
+    _expect("g", g, (m, n), a.dtype)
+    _expect("g_scale", g_scale, (blocks(m), n), torch.float32)
+    _check_offs(offs, 1 if offs is None else offs.shape[0])
+
+
 def _grouped_mm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -254,12 +274,9 @@ def _grouped_mm(
 ) -> torch.Tensor:
     """``a [M, K]`` (1x128 tiles) times ``b [G, K, N]`` (128x128 blocks, any strides) -> ``[M, N]``
     of ``out_dtype``; without ``offs``, G is 1 and every row is in it."""
+    check_grouped_mm_operands(a, a_scale, b, b_scale, offs)
     m, k = a.shape
     groups, _, n = b.shape
-    _expect("a_scale", a_scale, (m, blocks(k)), torch.float32)
-    _expect("b", b, (groups, k, n), a.dtype)
-    _expect("b_scale", b_scale, (groups, blocks(k), blocks(n)), torch.float32)
-    _check_offs(offs, groups)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
@@ -286,13 +303,10 @@ def _wgrad(
 ) -> torch.Tensor:
     """``a [M, K]``, ``g [M, N]`` (128x1 tiles along M, any strides; column-major reads fastest)
     -> ``[G, K, N]`` of ``out_dtype``, contracted over each group's tokens; G = 1 without offs."""
+    check_wgrad_operands(a, a_scale, g, g_scale, offs)
     m, k = a.shape
     n = g.shape[1]
     groups = 1 if offs is None else offs.shape[0]
-    _expect("a_scale", a_scale, (blocks(m), k), torch.float32)
-    _expect("g", g, (m, n), a.dtype)
-    _expect("g_scale", g_scale, (blocks(m), n), torch.float32)
-    _check_offs(offs, groups)
     out = torch.empty((groups, k, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..opaque import compile_triton, launcher
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -151,18 +152,14 @@ def _check_2d(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a 2-D tensor [M, C], got shape {tuple(x.shape)}")
 
 
-def quantize_1x128(
-    x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (any strides) -> data ``[M, K]`` (row-major) and fp32 scales
-    ``[M, ceil(K/128)]``, one per 1x128 tile."""
+def _quantize_1x128(x: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     _check_2d("quantize_1x128 x", x)
     m, k = x.shape
     out = torch.empty((m, k), dtype=out_dtype, device=x.device)
     scale = torch.empty((m, blocks(k)), dtype=torch.float32, device=x.device)
     if x.numel():
         grid = (triton.cdiv(m, TILES_PER_PROGRAM), blocks(k))
-        _quantize_1x128_kernel[grid](
+        launcher(_quantize_1x128_kernel, x)[grid](
             x, out, scale, m, k, x.stride(0), x.stride(1),
             FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK=BLOCK, ROWS=TILES_PER_PROGRAM,
         )  # fmt: skip
@@ -183,7 +180,7 @@ def _empty_transposed(shape: tuple[int, int, int], dtype, device) -> torch.Tenso
 def _cast_128x128(w, out, out_t, scale, compute_scales: bool) -> None:
     groups, k, n = w.shape
     if w.numel():
-        _quantize_128x128_kernel[(blocks(k), blocks(n), groups)](
+        launcher(_quantize_128x128_kernel, w)[(blocks(k), blocks(n), groups)](
             w, out if out is not None else out_t, out_t if out_t is not None else out, scale,
             k, n, *w.stride(),
             COMPUTE_SCALES=compute_scales, WRITE_FORWARD=out is not None,
@@ -192,26 +189,30 @@ def _cast_128x128(w, out, out_t, scale, compute_scales: bool) -> None:
         )  # fmt: skip
 
 
-def quantize_128x128(
-    w: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE, transposed_too: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``w [G, K, N]`` (any strides) -> data ``[G, K, N]`` with K contiguous, fp32 scales
-    ``[G, ceil(K/128), ceil(N/128)]``, and (``transposed_too``, from the same read) the data of
-    ``w^T [G, N, K]`` with N contiguous, else None."""
+def _quantize_128x128(w: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     _check_weight(w)
     groups, k, n = w.shape
     out = _empty_transposed((groups, k, n), out_dtype, w.device)
-    out_t = _empty_transposed((groups, n, k), out_dtype, w.device) if transposed_too else None
     scale = torch.empty((groups, blocks(k), blocks(n)), dtype=torch.float32, device=w.device)
-    _cast_128x128(w, out, None if out_t is None else out_t.transpose(-2, -1), scale, True)
+    _cast_128x128(w, out, None, scale, True)
+    return out, scale
+
+
+def _quantize_128x128_both(
+    w: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_weight(w)
+    groups, k, n = w.shape
+    out = _empty_transposed((groups, k, n), out_dtype, w.device)
+    out_t = _empty_transposed((groups, n, k), out_dtype, w.device)
+    scale = torch.empty((groups, blocks(k), blocks(n)), dtype=torch.float32, device=w.device)
+    _cast_128x128(w, out, out_t.transpose(-2, -1), scale, True)
     return out, scale, out_t
 
 
-def quantize_128x128_transposed(
-    w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+def _quantize_128x128_transposed(
+    w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """The data of ``w^T [G, N, K]`` with N contiguous, cast by ``w``'s block scales ``scale``
-    (``quantize_128x128``'s): its forward data transposed, bit for bit."""
     _check_weight(w)
     groups, k, n = w.shape
     if scale.shape != (groups, blocks(k), blocks(n)) or scale.dtype != torch.float32:
@@ -224,13 +225,9 @@ def quantize_128x128_transposed(
     return out_t
 
 
-def quantize_128x1(
-    x: torch.Tensor, offs: torch.Tensor | None = None, out_dtype: torch.dtype = FP8_DTYPE
+def _quantize_128x1(
+    x: torch.Tensor, offs: torch.Tensor | None, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, C]`` (any strides) -> data ``[M, C]`` token-contiguous (strides ``(1, M)``) and
-    fp32 scales, one per 128x1 tile of the global 128-row blocks: ``[ceil(M/128), C]``, or with
-    ``offs`` (int32 group ends, group starts 128-aligned) ``[M // 128 + G, C]``, rows past the
-    last group 0."""
     _check_2d("quantize_128x1 x", x)
     m, c = x.shape
     slots = blocks(m) if offs is None else m // BLOCK + offs.shape[0]
@@ -238,10 +235,60 @@ def quantize_128x1(
     scale = torch.empty((slots, c), dtype=torch.float32, device=x.device)
     if scale.numel():
         grid = (slots, triton.cdiv(c, TILES_PER_PROGRAM))
-        _quantize_128x1_kernel[grid](
+        launcher(_quantize_128x1_kernel, x)[grid](
             x, out, scale, scale if offs is None else offs, m, c,
             1 if offs is None else offs.shape[0], x.stride(0), x.stride(1),
             GROUPED=offs is not None, FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK=BLOCK,
             COLS=TILES_PER_PROGRAM,
         )  # fmt: skip
     return out, scale
+
+
+# Triton ops (``opaque.py``): torch.compile traces into them; launched directly they read the
+# data of fake tensors and failed the first compiled blockwise step on CUDA.
+_quantize_1x128_op = compile_triton("blockwise_quantize_1x128", _quantize_1x128)
+_quantize_128x128_op = compile_triton("blockwise_quantize_128x128", _quantize_128x128)
+_quantize_128x128_both_op = compile_triton(
+    "blockwise_quantize_128x128_both", _quantize_128x128_both
+)
+_quantize_128x128_transposed_op = compile_triton(
+    "blockwise_quantize_128x128_transposed", _quantize_128x128_transposed
+)
+_quantize_128x1_op = compile_triton("blockwise_quantize_128x1", _quantize_128x1)
+
+
+def quantize_1x128(
+    x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (any strides) -> data ``[M, K]`` (row-major) and fp32 scales
+    ``[M, ceil(K/128)]``, one per 1x128 tile."""
+    return _quantize_1x128_op(x, out_dtype)
+
+
+def quantize_128x128(
+    w: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE, transposed_too: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``w [G, K, N]`` (any strides) -> data ``[G, K, N]`` with K contiguous, fp32 scales
+    ``[G, ceil(K/128), ceil(N/128)]``, and (``transposed_too``, from the same read) the data of
+    ``w^T [G, N, K]`` with N contiguous, else None."""
+    if transposed_too:
+        return _quantize_128x128_both_op(w, out_dtype)
+    return (*_quantize_128x128_op(w, out_dtype), None)
+
+
+def quantize_128x128_transposed(
+    w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+) -> torch.Tensor:
+    """The data of ``w^T [G, N, K]`` with N contiguous, cast by ``w``'s block scales ``scale``
+    (``quantize_128x128``'s): its forward data transposed, bit for bit."""
+    return _quantize_128x128_transposed_op(w, scale, out_dtype)
+
+
+def quantize_128x1(
+    x: torch.Tensor, offs: torch.Tensor | None = None, out_dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, C]`` (any strides) -> data ``[M, C]`` token-contiguous (strides ``(1, M)``) and
+    fp32 scales, one per 128x1 tile of the global 128-row blocks: ``[ceil(M/128), C]``, or with
+    ``offs`` (int32 group ends, group starts 128-aligned) ``[M // 128 + G, C]``, rows past the
+    last group 0."""
+    return _quantize_128x1_op(x, offs, out_dtype)

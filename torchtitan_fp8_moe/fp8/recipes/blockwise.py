@@ -8,8 +8,9 @@ An outlier spoils the scale of its 128-element tile or block, not of a whole row
 column, so the recipe keeps more precision on data with outlier blocks (tests/test_blockwise.py).
 Quantizers: ``fp8/blockwise_quantize.py`` (plain torch ops, any device; emulated) and
 ``fp8/blockwise_triton_quantize.py`` (CUDA: the same values, laid out with each GEMM's contraction
-dim contiguous). GEMMs: the exact emulation of ``fp8/gemm.py``; on CUDA, the blockwise kernels of
-``fp8/kernels/blockwise_gemm.py`` (``_cuda_kernels``).
+dim contiguous). GEMMs: the exact emulation of ``fp8/gemm.py``; on CUDA, cuBLAS's blockwise GEMMs
+where the GPU and shapes allow (``fp8/kernels/blockwise_cublas.py``), else the Triton kernels of
+``fp8/kernels/blockwise_gemm.py``: the same results (``_cuda_kernels``).
 """
 
 from types import ModuleType
@@ -88,16 +89,16 @@ class BlockwiseRecipe(Recipe):
 
 
 def _cuda_kernels() -> ModuleType:
-    """The blockwise GEMM kernels (CUDA), plugged in from ``fp8/kernels/blockwise_gemm.py``:
+    """The blockwise GEMM kernels (CUDA), plugged in from ``fp8/kernels/blockwise_cublas.py``:
     ``blockwise_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=)`` and
     ``blockwise_grouped_mm_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype=)``, with the
     operands and scales of ``fp8/blockwise_quantize.py``."""
     try:
-        from ..kernels import blockwise_gemm
+        from ..kernels import blockwise_cublas
     except ImportError as e:
         raise NotImplementedError(
             'float8_moe: recipe "blockwise" has no CUDA GEMM kernels in this build '
-            "(torchtitan_fp8_moe/fp8/kernels/blockwise_gemm.py); set `[float8_moe] emulate = "
+            "(torchtitan_fp8_moe/fp8/kernels/); set `[float8_moe] emulate = "
             'true` to run it emulated, or recipe = "rowwise"'
         ) from e
-    return blockwise_gemm
+    return blockwise_cublas

@@ -1,0 +1,30 @@
+"""Token-group offsets as host integers, read from the device at most once per tensor.
+
+GEMMs that run one call per group (``kernels/blockwise_cublas.py``) need each group's bounds on
+the host. Reading them waits for the GPU; a layer's three projections share one offsets tensor in
+forward and backward, so the values are kept per tensor (and its version) and read once. Offsets
+that the host made itself (one group of every token, a batch's equal groups) are remembered as
+they are made and never read back.
+"""
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# offsets tensor -> (its version, its values)
+_known = WeakIdKeyDictionary()
+
+
+def remember(offs: torch.Tensor, values: list[int]) -> None:
+    """Note that ``offs`` holds ``values`` (made on the host)."""
+    if not torch.compiler.is_compiling():
+        _known[offs] = (offs._version, values)
+
+
+def values(offs: torch.Tensor) -> list[int]:
+    """``offs.tolist()``, from the kept copy while ``offs`` is unchanged."""
+    kept = _known.get(offs)
+    if kept is not None and kept[0] == offs._version:
+        return kept[1]
+    result = offs.tolist()
+    _known[offs] = (offs._version, result)
+    return result
