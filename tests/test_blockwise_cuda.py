@@ -212,8 +212,8 @@ def test_cublas_gemms_equal_the_triton_kernels_bit_for_bit(m, k, n, ends):
     (x_data, x_scale), (dy_data, dy_scale) = cuda.rows(x), cuda.rows(dy)
     w_data, w_scale, state = cuda.weight(w)
     bf16 = torch.bfloat16
-    for ops in (blockwise_cublas, torch.compile(blockwise_cublas.blockwise_grouped_mm)):
-        cublas_mm = ops.blockwise_grouped_mm if ops is blockwise_cublas else ops
+    eager_mm = blockwise_cublas.blockwise_grouped_mm
+    for cublas_mm in (eager_mm, torch.compile(eager_mm)):
         got = cublas_mm(x_data, x_scale, w_data, w_scale, offs, bf16)
         want = blockwise_grouped_mm(x_data, x_scale, w_data, w_scale, offs, bf16)
         assert torch.equal(got, want) and not got[ends[-1] :].any()

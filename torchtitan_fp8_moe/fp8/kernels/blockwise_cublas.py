@@ -144,29 +144,10 @@ def _wgrad_fake(a, a_scale, g, g_scale, offs, out_dtype):
     return a.new_empty((offs.shape[0], a.shape[1], g.shape[1]), dtype=out_dtype)
 
 
-_grouped_mm_op = compile_opaque("blockwise_cublas_grouped_mm", _grouped_mm, _grouped_mm_fake)
-_wgrad_op = compile_opaque("blockwise_cublas_grouped_mm_wgrad", _grouped_mm_wgrad, _wgrad_fake)
-
-
-def blockwise_grouped_mm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    offs: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """``[M, N]``: the rows of group g times ``b[g]``; rows past ``offs[-1]`` are 0."""
-    return _grouped_mm_op(a, a_scale, b, b_scale, offs, out_dtype)
-
-
-def blockwise_grouped_mm_wgrad(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    g: torch.Tensor,
-    g_scale: torch.Tensor,
-    offs: torch.Tensor,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """``[G, K, N]``: ``a_g^T . g_g`` over the tokens of each group (128-aligned starts)."""
-    return _wgrad_op(a, a_scale, g, g_scale, offs, out_dtype)
+# ``blockwise_gemm.py``'s two GEMMs, same arguments (all positional): ``blockwise_grouped_mm(a,
+# a_scale, b, b_scale, offs, out_dtype)`` and ``blockwise_grouped_mm_wgrad(a, a_scale, g, g_scale,
+# offs, out_dtype)``.
+blockwise_grouped_mm = compile_opaque("blockwise_cublas_grouped_mm", _grouped_mm, _grouped_mm_fake)
+blockwise_grouped_mm_wgrad = compile_opaque(
+    "blockwise_cublas_grouped_mm_wgrad", _grouped_mm_wgrad, _wgrad_fake
+)

@@ -43,9 +43,7 @@ class BlockwiseRecipe(Recipe):
         """``a [M, K]`` (scales ``[M, ceil(K/128)]``) times ``b [G, K, N]`` (scales
         ``[G, ceil(K/128), ceil(N/128)]``) per group."""
         if not emulate:
-            return _cuda_kernels().blockwise_grouped_mm(
-                a, a_scale, b, b_scale, offs, out_dtype=out_dtype
-            )
+            return _cuda_kernels().blockwise_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype)
         a_hp = dequantize(a, expand_tiles(a_scale, a.shape[-1]))
         b_hp = dequantize(b, expand_blocks(b_scale, *b.shape[-2:]))
         return grouped_mm_fp32(a_hp, b_hp, offs).to(out_dtype)
@@ -58,7 +56,7 @@ class BlockwiseRecipe(Recipe):
             # blocks are the global 128-row blocks, the first ceil(M / 128) slots.
             blocks = -(-a.shape[0] // BLOCK)
             return _cuda_kernels().blockwise_grouped_mm_wgrad(
-                a, a_scale[:blocks], grad, grad_scale[:blocks], offs, out_dtype=out_dtype
+                a, a_scale[:blocks], grad, grad_scale[:blocks], offs, out_dtype
             )
         blocks, _ = token_blocks(offs, a.shape[0])
         a_hp = a.float() * per_block_token_scales(a_scale.reciprocal(), blocks)
@@ -90,8 +88,8 @@ class BlockwiseRecipe(Recipe):
 
 def _cuda_kernels() -> ModuleType:
     """The blockwise GEMM kernels (CUDA), plugged in from ``fp8/kernels/blockwise_cublas.py``:
-    ``blockwise_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=)`` and
-    ``blockwise_grouped_mm_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype=)``, with the
+    ``blockwise_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype)`` and
+    ``blockwise_grouped_mm_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype)``, with the
     operands and scales of ``fp8/blockwise_quantize.py``."""
     try:
         from ..kernels import blockwise_cublas
