@@ -1,8 +1,9 @@
 """torchtitan's MoE layer, forward + backward, at the per-GPU shapes of real runs: bf16, torchao
-0.18's fp8 rowwise path and float8_moe, eager and compiled.
+0.18's fp8 rowwise path and float8_moe (rowwise; ``float8_moe_auto``: the default policy;
+``float8_moe_blockwise``: the blockwise recipe), eager and compiled.
 
     python scripts/bench_presets.py [--presets P,..] [--tokens 16384,..] [--modes eager,compiled]
-        [--impls bf16,torchao,float8_moe] [--rounds 3] [--iters 10] [--label cold]
+        [--impls bf16,torchao,float8_moe,float8_moe_auto,float8_moe_blockwise] [--rounds 3] [--iters 10] [--label cold]
         [--budget-s S] [--profile] [--out outputs/benchmarks/presets.json] [--append]
     python scripts/bench_presets.py --list        # the presets and their per-rank shapes
     python scripts/bench_presets.py --dry-run     # CPU, tiny dims, float8_moe emulated
@@ -52,9 +53,15 @@ import torch.nn as nn
 from bench_moe import _to_float8_moe, _to_torchao, kernel_times, sqnr, write_json
 from profile_summary import family
 
+from torchtitan_fp8_moe.fp8 import recipe_named
+
+BLOCKWISE = recipe_named("blockwise")
+
 # float8_moe_auto: the converter's default policy (torchtitan_fp8_moe/policy.py), which keeps in
 # bf16 the weights whose fp8 GEMMs it estimates slower at the case's tokens and mode.
-IMPLS = ("bf16", "torchao", "float8_moe", "float8_moe_auto")
+# float8_moe_blockwise: every expert weight in the blockwise recipe (token groups aligned to its
+# 128-token blocks).
+IMPLS = ("bf16", "torchao", "float8_moe", "float8_moe_auto", "float8_moe_blockwise")
 MODES = ("eager", "compiled")
 # Llama4's MoE hidden dim: 4 * 5120 * 2/3 * 1.2 split over top_k + shared = 2 experts, rounded up
 # to multiple_of 2048 (torchtitan llama4 model.py, auto_scale_hidden_dim).
@@ -175,6 +182,12 @@ def convert(layer: nn.Module, impl: str, emulate: bool, tokens: int, mode: str) 
             layer, emulate=emulate, policy="auto", tokens=tokens, compiled=mode == "compiled"
         )
         print(f"  auto policy, {tokens} tokens, {mode}:", *{r.path for r in plan}, flush=True)
+    elif impl == "float8_moe_blockwise":
+        import torchtitan_fp8_moe
+
+        torchtitan_fp8_moe.convert(
+            layer, recipe="blockwise", emulate=emulate, compiled=mode == "compiled"
+        )
     return layer
 
 
@@ -350,6 +363,8 @@ def run_case(preset, tokens, mode, impls, args, device, clock) -> list[dict]:
         try:
             fp8 = impl.startswith("float8_moe") and args.fp8_align
             align = args.fp8_align if fp8 else args.align
+            if impl == "float8_moe_blockwise":  # its CUDA GEMMs need 128-token groups
+                align = max(align, BLOCKWISE.token_group_alignment(emulate=False))
             case = Case(base, impl, mode, x, grad, args.dry_run, align)
             case.first_call(clock)
             cases[impl] = case
