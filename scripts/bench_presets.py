@@ -3,7 +3,8 @@
 ``float8_moe_blockwise``: the blockwise recipe), eager and compiled.
 
     python scripts/bench_presets.py [--presets P,..] [--tokens 16384,..] [--modes eager,compiled]
-        [--impls bf16,torchao,float8_moe,float8_moe_auto,float8_moe_blockwise] [--rounds 3] [--iters 10] [--label cold]
+        [--impls bf16,torchao,float8_moe,float8_moe_auto,float8_moe_blockwise] [--rounds 3]
+        [--iters 10] [--label cold]
         [--budget-s S] [--profile] [--out outputs/benchmarks/presets.json] [--append]
     python scripts/bench_presets.py --list        # the presets and their per-rank shapes
     python scripts/bench_presets.py --dry-run     # CPU, tiny dims, float8_moe emulated

@@ -10,10 +10,11 @@ Variant suffixes: ``+compile`` (torch.compile), ``+cache`` (``--float8_moe.cache
 weight in fp8, where the default ``auto`` may keep some bf16), ``+dense`` (torchtitan's fp8 rowwise
 ``quantize.linear.float8`` on the dense linears as well).
 
-``--memory-cap-gib X`` caps each process's CUDA caching allocator at X GiB
-(``torch.cuda.set_per_process_memory_fraction``): the allocator then frees its cached blocks
-and retries before it reserves more, so a run that passes shows the memory it needs, not what it
-chose to keep cached; a run that needs more fails with CUDA out of memory.
+``--memory-cap-gib X`` caps each trainer process's CUDA caching allocator at X GiB
+(``torch.cuda.set_per_process_memory_fraction``, through a ``sitecustomize.py``): the allocator
+then frees its cached blocks and retries before it reserves more, so a run that passes shows the
+memory it needs, not what it chose to keep cached; a run that needs more fails with CUDA out of
+memory. A run whose log does not say the cap was set counts as failed.
 
 Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
 per-step log lines, and reports the median tokens/s per device and the peak reserved memory over
@@ -60,19 +61,27 @@ def _without_converters(config: str, folder: Path) -> Path:
     return path
 
 
-def _memory_cap_site(cap_gib: float, folder: Path) -> Path:
-    """A folder whose ``sitecustomize.py`` caps the CUDA allocator of each trainer process
-    (torchrun's workers have LOCAL_RANK; torchrun itself is left alone)."""
+CAP_VARIABLE = "BENCH_TRAIN_MEMORY_CAP_GIB"
+CAP_APPLIED = "bench_train: CUDA allocator capped at"
+
+
+def _memory_cap_site(folder: Path) -> Path:
+    """A folder whose ``sitecustomize.py`` caps the CUDA allocator of each trainer process at
+    ``$BENCH_TRAIN_MEMORY_CAP_GIB`` and says so in the log. Only torchrun's workers (they have
+    LOCAL_RANK) take it, and they drop the variable, so that their own children (inductor's
+    compile workers) start no CUDA context. It shadows any other sitecustomize on the path."""
     site = (folder / "memory_cap_site").resolve()
     site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text(
         "import os\n"
-        "if 'LOCAL_RANK' in os.environ:\n"
+        f"cap = os.environ.pop({CAP_VARIABLE!r}, None) if 'LOCAL_RANK' in os.environ else None\n"
+        "if cap is not None:\n"
+        "    import sys\n"
         "    import torch\n"
-        "    if torch.cuda.is_available():\n"
-        "        device = int(os.environ['LOCAL_RANK'])\n"
-        "        total = torch.cuda.get_device_properties(device).total_memory\n"
-        f"        torch.cuda.set_per_process_memory_fraction({cap_gib} * 2**30 / total, device)\n"
+        "    device = int(os.environ['LOCAL_RANK'])\n"
+        "    total = torch.cuda.get_device_properties(device).total_memory\n"
+        "    torch.cuda.set_per_process_memory_fraction(float(cap) * 2**30 / total, device)\n"
+        f"    print({CAP_APPLIED!r}, cap, 'GiB', file=sys.stderr, flush=True)\n"
     )
     return site
 
@@ -94,8 +103,9 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
     ]
     env = dict(os.environ, NGPU=str(args.ngpu), CONFIG_FILE=str(config))
     if args.memory_cap_gib:
+        env[CAP_VARIABLE] = str(args.memory_cap_gib)
         env["PYTHONPATH"] = os.pathsep.join(
-            [str(_memory_cap_site(args.memory_cap_gib, Path(args.out).parent))]
+            [str(_memory_cap_site(Path(args.out).parent))]
             + [p for p in [os.environ.get("PYTHONPATH")] if p]
         )
     started = time.perf_counter()
@@ -129,7 +139,9 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         "log": log_path.name,
         "overrides": overrides,
     }
-    if timed:
+    if args.memory_cap_gib and CAP_APPLIED not in log:
+        row["error"] = f"--memory-cap-gib {args.memory_cap_gib} was not applied (see the log)"
+    elif timed:
         row.update(
             tokens_per_s_median=statistics.median(t[2] for t in timed),
             memory_max_reserved_gib=max(t[1] for t in timed),

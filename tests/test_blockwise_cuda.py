@@ -197,14 +197,17 @@ CUBLAS_CASES = [(2048, 640, 1024, [0, 256, 256, 1280, 1792]), (1024, 2048, 256, 
 
 
 @pytest.mark.parametrize("m,k,n,ends", CUBLAS_CASES)
-def test_cublas_gemms_equal_the_triton_kernels_bit_for_bit(m, k, n, ends):
-    """The recipe's CUDA GEMMs (cuBLAS's blockwise scaled_mm per group where the GPU has it, as
-    an H200 with torch 2.11 does) give the Triton kernels' bf16 results exactly: forward, input
-    gradient, weight gradient, eager and compiled."""
+def test_cublas_gemms_equal_the_triton_kernels_bit_for_bit(m, k, n, ends, monkeypatch):
+    """The recipe's CUDA GEMMs on cuBLAS's blockwise scaled_mm per group (on a GPU that has it,
+    as an H200 with torch 2.11 does) give the Triton kernels' bf16 results exactly: forward,
+    input gradient, weight gradient, eager and compiled. The Triton kernels give the wanted
+    results and may not run in the cuBLAS calls."""
     from torchtitan_fp8_moe.fp8.kernels import blockwise_cublas
 
-    if torch.cuda.get_device_capability() == (9, 0):
-        assert blockwise_cublas._device_has_blockwise_scaled_mm(torch.device("cuda", 0))
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not blockwise_cublas._device_has_blockwise_scaled_mm(device):
+        assert torch.cuda.get_device_capability() != (9, 0), "Hopper should have it"
+        pytest.skip("no blockwise scaled_mm in this GPU's cuBLAS")
     torch.manual_seed(0)
     offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
     x, dy = torch.randn(m, k, device="cuda"), torch.randn(m, n, device="cuda")
@@ -212,18 +215,24 @@ def test_cublas_gemms_equal_the_triton_kernels_bit_for_bit(m, k, n, ends):
     (x_data, x_scale), (dy_data, dy_scale) = cuda.rows(x), cuda.rows(dy)
     w_data, w_scale, state = cuda.weight(w)
     bf16 = torch.bfloat16
-    eager_mm = blockwise_cublas.blockwise_grouped_mm
-    for cublas_mm in (eager_mm, torch.compile(eager_mm)):
-        got = cublas_mm(x_data, x_scale, w_data, w_scale, offs, bf16)
-        want = blockwise_grouped_mm(x_data, x_scale, w_data, w_scale, offs, bf16)
-        assert torch.equal(got, want) and not got[ends[-1] :].any()
-        w_t = cuda.weight_transposed(w, state)
-        got = cublas_mm(dy_data, dy_scale, *w_t, offs, bf16)
-        assert torch.equal(got, blockwise_grouped_mm(dy_data, dy_scale, *w_t, offs, bf16))
+    w_t = cuda.weight_transposed(w, state)
+    want_y = blockwise_grouped_mm(x_data, x_scale, w_data, w_scale, offs, bf16)
+    want_dx = blockwise_grouped_mm(dy_data, dy_scale, *w_t, offs, bf16)
     pair = cuda.per_group_pair(x, dy, offs)
     blocks = -(-m // 128)
     x_c, x_c_scale, dy_c, dy_c_scale = pair[0], pair[1][:blocks], pair[2], pair[3][:blocks]
     want = blockwise_grouped_mm_wgrad(x_c, x_c_scale, dy_c, dy_c_scale, offs, bf16)
+
+    def no_triton(*args):
+        raise AssertionError("the Triton kernel ran where cuBLAS should")
+
+    monkeypatch.setattr(blockwise_cublas.blockwise_gemm, "blockwise_grouped_mm", no_triton)
+    monkeypatch.setattr(blockwise_cublas.blockwise_gemm, "blockwise_grouped_mm_wgrad", no_triton)
+    eager_mm = blockwise_cublas.blockwise_grouped_mm
+    for cublas_mm in (eager_mm, torch.compile(eager_mm)):
+        got = cublas_mm(x_data, x_scale, w_data, w_scale, offs, bf16)
+        assert torch.equal(got, want_y) and not got[ends[-1] :].any()
+        assert torch.equal(cublas_mm(dy_data, dy_scale, *w_t, offs, bf16), want_dx)
     for wgrad in (
         blockwise_cublas.blockwise_grouped_mm_wgrad,
         torch.compile(blockwise_cublas.blockwise_grouped_mm_wgrad),

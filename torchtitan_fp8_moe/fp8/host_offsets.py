@@ -14,14 +14,24 @@ from torch.utils.weak import WeakIdKeyDictionary
 _known = WeakIdKeyDictionary()
 
 
+def _keepable(offs: torch.Tensor) -> bool:
+    """Plain tensors with a version counter (not inference tensors), outside compiled code."""
+    return (
+        not torch.compiler.is_compiling() and type(offs) is torch.Tensor and not offs.is_inference()
+    )
+
+
 def remember(offs: torch.Tensor, values: list[int]) -> None:
     """Note that ``offs`` holds ``values`` (made on the host)."""
-    if not torch.compiler.is_compiling():
+    if _keepable(offs):
         _known[offs] = (offs._version, values)
 
 
 def values(offs: torch.Tensor) -> list[int]:
-    """``offs.tolist()``, from the kept copy while ``offs`` is unchanged."""
+    """``offs.tolist()``, from the kept copy while ``offs`` is unchanged (writes bump its
+    version; a kernel that writes through a raw pointer does not, so none may write offsets)."""
+    if not _keepable(offs):
+        return offs.tolist()
     kept = _known.get(offs)
     if kept is not None and kept[0] == offs._version:
         return kept[1]

@@ -14,13 +14,15 @@ import torch
 from torch.library import wrap_triton
 
 
-def compile_opaque(name: str, fn: Callable, fake: Callable) -> Callable:
+def compile_opaque(
+    name: str, fn: Callable, fake: Callable, eager: Callable | None = None
+) -> Callable:
     """``fn`` registered as the custom op ``torchtitan_fp8_moe::<name>`` with ``fake`` as its
     shape rule, so that torch.compile calls it as one opaque node instead of tracing into it (a
-    grouped mm whose shape rule takes bf16 only)."""
+    grouped mm whose shape rule takes bf16 only). Eager calls run ``eager`` (default ``fn``)."""
     op = torch.library.custom_op(f"torchtitan_fp8_moe::{name}", fn, mutates_args=())
     op.register_fake(fake)
-    return _eager_or_op(fn, op)
+    return _eager_or_op(eager or fn, op)
 
 
 def compile_triton(name: str, fn: Callable) -> Callable:
