@@ -190,12 +190,7 @@ def _cast_128x128(w, out, out_t, scale, compute_scales: bool) -> None:
 
 
 def _quantize_128x128(w: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_weight(w)
-    groups, k, n = w.shape
-    out = _empty_transposed((groups, k, n), out_dtype, w.device)
-    scale = torch.empty((groups, blocks(k), blocks(n)), dtype=torch.float32, device=w.device)
-    _cast_128x128(w, out, None, scale, True)
-    return out, scale
+    return _cast_forward(w, out_dtype, None)
 
 
 def _quantize_128x128_both(
@@ -203,11 +198,19 @@ def _quantize_128x128_both(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_weight(w)
     groups, k, n = w.shape
-    out = _empty_transposed((groups, k, n), out_dtype, w.device)
     out_t = _empty_transposed((groups, n, k), out_dtype, w.device)
+    return (*_cast_forward(w, out_dtype, out_t), out_t)
+
+
+def _cast_forward(w, out_dtype, out_t) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward data and block scales of ``w``; with ``out_t``, the same read writes the
+    transposed data there."""
+    _check_weight(w)
+    groups, k, n = w.shape
+    out = _empty_transposed((groups, k, n), out_dtype, w.device)
     scale = torch.empty((groups, blocks(k), blocks(n)), dtype=torch.float32, device=w.device)
-    _cast_128x128(w, out, out_t.transpose(-2, -1), scale, True)
-    return out, scale, out_t
+    _cast_128x128(w, out, None if out_t is None else out_t.transpose(-2, -1), scale, True)
+    return out, scale
 
 
 def _quantize_128x128_transposed(
