@@ -39,15 +39,17 @@ def test_remembered_offsets_are_not_read(reads):
     assert host_offsets.values(offs) == [12] and reads[0] == 0
 
 
-def test_inference_tensors_are_read_and_not_kept():
-    """Inference tensors have no version counter: read every time, and the fp8 matmuls that
-    remember their host-made offsets still run under inference mode."""
+def test_inference_tensors_are_read_and_not_kept(reads):
+    """Inference tensors have no version counter: read every time, never kept (not even when
+    remembered), and the fp8 matmuls still run under inference mode."""
     from torchtitan_fp8_moe.fp8 import fp8_batched_mm, fp8_matmul, recipe_named
 
     rowwise = recipe_named("rowwise")
     with torch.inference_mode():
         offs = torch.tensor([4, 9], dtype=torch.int32)
+        host_offsets.remember(offs, [4, 9])
         assert host_offsets.values(offs) == [4, 9]
+        assert host_offsets.values(offs) == [4, 9] and reads[0] == 2
         x, w = torch.randn(3, 5, 32), torch.randn(32, 16)
         y = fp8_matmul(x, w, rowwise, emulate=True)
         batched = fp8_batched_mm(torch.randn(2, 6, 32), torch.randn(2, 32, 16), rowwise, True)

@@ -127,13 +127,20 @@ def fp8_grouped_mm(
     return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, cached)
 
 
+def _made_on_host(offs: torch.Tensor, values, recipe: Recipe, emulate: bool) -> None:
+    """Tell ``host_offsets`` the ``values`` of ``offs``, where the recipe's GEMMs would read
+    them back from the device (a sync); no work for the others."""
+    if recipe.reads_offsets_on_host and not emulate:
+        host_offsets.remember(offs, list(values))
+
+
 def fp8_batched_mm(
     a: torch.Tensor, b: torch.Tensor, recipe: Recipe, emulate: bool, cached: WeightSource = None
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8."""
     groups, tokens, _ = a.shape
     offs = torch.arange(1, groups + 1, device=a.device, dtype=torch.int32) * tokens
-    host_offsets.remember(offs, [tokens * (group + 1) for group in range(groups)])
+    _made_on_host(offs, range(tokens, (groups + 1) * tokens, tokens), recipe, emulate)
     out = fp8_grouped_mm(a.reshape(groups * tokens, -1), b, offs, recipe, emulate, cached)
     return out.view(groups, tokens, -1)
 
@@ -144,6 +151,6 @@ def fp8_matmul(
     """``a [..., K] @ b [K, N]`` in fp8 (a linear layer's ``x @ W^T`` has b = W^T)."""
     a_2d = a.reshape(-1, a.shape[-1])
     offs = torch.full((1,), a_2d.shape[0], device=a.device, dtype=torch.int32)
-    host_offsets.remember(offs, [a_2d.shape[0]])
+    _made_on_host(offs, [a_2d.shape[0]], recipe, emulate)
     out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, recipe, emulate, cached)
     return out.view(*a.shape[:-1], b.shape[-1])
