@@ -187,7 +187,11 @@ def convert(layer: nn.Module, impl: str, emulate: bool, tokens: int, mode: str) 
         import torchtitan_fp8_moe
 
         torchtitan_fp8_moe.convert(
-            layer, recipe="blockwise", emulate=emulate, compiled=mode == "compiled"
+            layer,
+            recipe="blockwise",
+            policy="always",
+            emulate=emulate,
+            compiled=mode == "compiled",
         )
     return layer
 

@@ -20,7 +20,12 @@ from pathlib import Path
 FAMILIES = [
     ("fp8 GEMM", re.compile(r"e4m3|f8f8|_scaled_mm|nvjet_\w*qq|ovscale", re.I)),
     # Our kernels' names exactly: torchao's cast kernels contain "_per_group_" too.
-    ("float8_moe cast", re.compile(r"_rowwise_fp8|_per_group_(whole|amax|cast)|_transposed_fp8")),
+    (
+        "float8_moe cast",
+        re.compile(
+            r"_rowwise_fp8|_per_group_(whole|amax|cast)|_transposed_fp8|_quantize_(1x128|128x)"
+        ),
+    ),
     ("torchao cast", re.compile(r"triton_fp8|_fp8_rowwise|_fp8_colwise|fp8_per_group", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("NCCL", re.compile(r"nccl", re.I)),

@@ -215,6 +215,8 @@ def _check_wgrad() -> None:
         for a, g in ((column_major(x_data), column_major(dy_data)), (x_data, dy_data)):
             got = blockwise_grouped_mm_wgrad(a, x_scale, g, dy_scale, offs)
             assert got.dtype == torch.float32 and got.shape == (len(ends), k, n)
+            # N-major, the layout of a [G, N, K] weight read transposed: no copy to accumulate.
+            assert got.transpose(-2, -1).is_contiguous()
             assert close(got, want, magnitude), (m, k, n, ends)
         empty = [group for group, end in enumerate(ends) if end == ([0] + ends)[group]]
         assert all(torch.equal(got[group], torch.zeros(k, n)) for group in empty)

@@ -159,18 +159,19 @@ def _wgrad_by(read_ends, a, a_scale, g, g_scale, offs, out_dtype) -> torch.Tenso
         spans = _token_groups(offs, read_ends)
     if spans is None:
         return blockwise_gemm.blockwise_grouped_mm_wgrad(a, a_scale, g, g_scale, offs, out_dtype)
-    out = torch.empty((len(spans), k, n), dtype=out_dtype, device=a.device)
+    out_t = blockwise_gemm.empty_wgrad(len(spans), k, n, out_dtype, a.device).transpose(-2, -1)
     a_decode, g_decode = _decode_scales(a_scale.t()), _decode_scales(g_scale.t())  # [K|N, tiles]
     for group, (start, end) in enumerate(spans):
         if end == start:
-            out[group].zero_()
+            out_t[group].zero_()
             continue
         tiles = slice(start // BLOCK, end // BLOCK)
+        # Each group's product as (g_g^T a_g)^T, into the N-major layout: the same sums.
         torch.ops.aten._scaled_mm_v2.out(
-            a[start:end].t(), g[start:end], [a_decode[:, tiles]], _TILE_RECIPE, [],
-            [g_decode[:, tiles]], _TILE_RECIPE, [], None, out_dtype, [], False, out=out[group],
+            g[start:end].t(), a[start:end], [g_decode[:, tiles]], _TILE_RECIPE, [],
+            [a_decode[:, tiles]], _TILE_RECIPE, [], None, out_dtype, [], False, out=out_t[group],
         )  # fmt: skip
-    return out
+    return out_t.transpose(-2, -1)
 
 
 def _read(offs: torch.Tensor) -> list[int]:
@@ -198,9 +199,9 @@ def _wgrad(
     offs: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``blockwise_gemm.blockwise_grouped_mm_wgrad``'s contract: ``[G, K, N]``, each group's
-    ``a_g^T . g_g`` as ``scaled_mm(a_g^T [K, M_g], g_g [M_g, N])`` with 1x128 tiles along the
-    tokens on both; for cuBLAS the operands token-contiguous (strides ``(1, M)``)."""
+    """``blockwise_gemm.blockwise_grouped_mm_wgrad``'s contract: ``[G, K, N]`` N-major, each
+    group's ``a_g^T . g_g`` as ``scaled_mm(g_g^T [N, M_g], a_g [M_g, K])^T`` with 1x128 tiles
+    along the tokens on both; for cuBLAS the operands token-contiguous (strides ``(1, M)``)."""
     return _wgrad_by(_read, a, a_scale, g, g_scale, offs, out_dtype)
 
 
@@ -211,7 +212,7 @@ def _grouped_mm_fake(a, a_scale, b, b_scale, offs, out_dtype):
 
 def _wgrad_fake(a, a_scale, g, g_scale, offs, out_dtype):
     blockwise_gemm.check_wgrad_operands(a, a_scale, g, g_scale, offs)
-    return a.new_empty((offs.shape[0], a.shape[1], g.shape[1]), dtype=out_dtype)
+    return blockwise_gemm.empty_wgrad(offs.shape[0], a.shape[1], g.shape[1], out_dtype, a.device)
 
 
 # ``blockwise_gemm.py``'s two GEMMs, all arguments given positionally: ``blockwise_grouped_mm(a,
