@@ -523,6 +523,41 @@ def print_families(rows) -> None:
         )
 
 
+def print_bounds(rows) -> None:
+    """What fp8 expert GEMMs could give each profiled layer, from its bf16 and float8_moe rows:
+    the expert GEMMs' share of bf16's wall time (bf16's GEMM time less what float8_moe leaves in
+    bf16, the router), the speedup if those GEMMs ran at twice bf16's speed (the H200's dense fp8
+    peak) with free casts and no added host time, the speedup with float8_moe's measured fp8
+    GEMMs and free casts, and the speedup measured. A target above the 2x bound is out of reach of
+    any fp8 expert GEMM on this layer."""
+    by_key = {(r["preset"], r["tokens"], r["mode"], r["label"], r["impl"]): r for r in rows}
+    print(
+        f"\n{'preset':15} {'tokens':>6} {'mode':8} {'expert GEMMs of bf16':>21} "
+        f"{'bound at 2x':>11} {'measured fp8 GEMMs, free casts':>31} {'casts ms':>8} "
+        f"{'measured':>8}"
+    )
+    for r in rows:
+        if r["impl"] != "bf16" or "families" not in r:
+            continue
+        fp8 = by_key.get((r["preset"], r["tokens"], r["mode"], r["label"], "float8_moe"))
+        if fp8 is None or "families" not in fp8:
+            continue
+
+        def ms(row, family):
+            return row["families"].get(family, {}).get("ms", 0.0)
+
+        experts = ms(r, "bf16 GEMM") - ms(fp8, "bf16 GEMM")
+        wall = r["wall_ms"]
+        at_2x = wall / (wall - experts / 2)
+        measured_gemms = wall / (wall - experts + ms(fp8, "fp8 GEMM"))
+        print(
+            f"{r['preset']:15} {r['tokens']:>6} {r['mode']:8} "
+            f"{f'{experts:.2f} ms ({experts / wall:.0%})':>21} {at_2x:>10.2f}x "
+            f"{measured_gemms:>30.2f}x {ms(fp8, 'float8_moe cast'):>8.2f} "
+            f"{fp8['speedup_wall']:>7.2f}x"
+        )
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -617,6 +652,7 @@ def main() -> None:
         rows = json.loads(Path(args.out).read_text())
         print_table(rows)
         print_families(rows)
+        print_bounds(rows)
         plot(rows, Path(args.out).with_suffix(".png"))
         return
     if args.list:
@@ -715,6 +751,7 @@ def main() -> None:
     print_table(rows)
     if args.profile:
         print_families(rows)
+        print_bounds(rows)
     plot(rows, out.with_suffix(".png"))
 
 
