@@ -222,12 +222,14 @@ def _check_wgrad() -> None:
         assert all(torch.equal(got[group], torch.zeros(k, n)) for group in empty)
         bf16 = blockwise_grouped_mm_wgrad(x_data, x_scale, dy_data, dy_scale, offs, torch.bfloat16)
         assert torch.allclose(bf16.float(), got, rtol=2**-7, atol=1e-30)
+        assert bf16.transpose(-2, -1).is_contiguous()
         tokens, token_blocks = slice(0, ends[-1]), slice(0, -(-ends[-1] // BLOCK))
         dense = blockwise_mm_wgrad(
             x_data[tokens], x_scale[token_blocks], dy_data[tokens], dy_scale[token_blocks]
         )
         x, dy = x[tokens], dy[tokens]
         assert close(dense, x.t() @ dy, x.t().abs() @ dy.abs()), (m, k, n)
+        assert dense.t().is_contiguous()
 
 
 def _fp8_rounded_by_torch(kernel, data_outputs):
@@ -307,6 +309,7 @@ def test_blockwise_gemms_have_shape_rules():
     """torch.compile and meta tensors see the GEMMs' custom ops and get their shapes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from torchtitan_fp8_moe.fp8.kernels import blockwise_cublas
     from torchtitan_fp8_moe.fp8.kernels.blockwise_gemm import (
         blockwise_grouped_mm,
         blockwise_grouped_mm_wgrad,
@@ -322,6 +325,12 @@ def test_blockwise_gemms_have_shape_rules():
         g = torch.empty(300, 130, dtype=FP8_DTYPE)
         wgrad = blockwise_grouped_mm_wgrad(a, torch.empty(3, 200), g, torch.empty(3, 130), offs)
         assert (wgrad.shape, wgrad.dtype) == ((4, 200, 130), torch.float32)
+        # The cuBLAS op's own shape rule: the strides of its real output (N-major), which
+        # inductor's generated code checks.
+        cublas = blockwise_cublas.blockwise_grouped_mm_wgrad(
+            a, torch.empty(3, 200), g, torch.empty(3, 130), offs, torch.bfloat16
+        )
+        assert cublas.shape == (4, 200, 130) and cublas.transpose(-2, -1).is_contiguous()
 
 
 def test_cuda_recipe_traces_under_fake_tensors():

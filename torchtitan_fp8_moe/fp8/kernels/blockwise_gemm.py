@@ -378,5 +378,5 @@ def blockwise_mm_wgrad(
     g_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Dense ``a^T [K, M] . g [M, N]`` -> ``[K, N]``."""
+    """Dense ``a^T [K, M] . g [M, N]`` -> ``[K, N]``, N-major (strides ``(1, K)``)."""
     return _wgrad_op(a, a_scale, g, g_scale, None, out_dtype)[0]
