@@ -8,6 +8,7 @@
         [--budget-s S] [--profile] [--out outputs/benchmarks/presets.json] [--append]
     python scripts/bench_presets.py --list        # the presets and their per-rank shapes
     python scripts/bench_presets.py --dry-run     # CPU, tiny dims, float8_moe emulated
+    python scripts/bench_presets.py --table --out FILE   # FILE's tables again, with the bounds
 
 The layer is torchtitan's own module (``torchtitan.models.moe.MoE``: router, routed grouped
 experts, FeedForward shared experts where the model has them; GPT-OSS: its ``GptOssMoE``, with
