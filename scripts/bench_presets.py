@@ -506,6 +506,11 @@ def print_table(rows) -> None:
             print(f"  {r['preset']} {r['tokens']} {r['mode']} {r['impl']}: {r['error'][:200]}")
 
 
+def family_ms(row: dict, family: str) -> float:
+    """GPU ms per call of one kernel family in a profiled row (0 where it ran none)."""
+    return row["families"].get(family, {}).get("ms", 0.0)
+
+
 def print_families(rows) -> None:
     """GPU ms per call by kernel family, for every row that was profiled."""
     names = ["fp8 GEMM", "bf16 GEMM", "float8_moe cast", "torchao cast", "copy / memset", "other"]
@@ -516,11 +521,10 @@ def print_families(rows) -> None:
     for r in rows:
         if "families" not in r:
             continue
-        fam = r["families"]
         print(
             f"{r['preset']:15} {r['tokens']:>6} {r['mode']:8} {r['impl']:10} "
             f"{r['gpu_busy_ms']:>8.2f} {r['kernel_launches']:>8.0f} "
-            + " ".join(f"{fam.get(n, {}).get('ms', 0):>15.3f}" for n in names)
+            + " ".join(f"{family_ms(r, n):>15.3f}" for n in names)
         )
 
 
@@ -543,18 +547,14 @@ def print_bounds(rows) -> None:
         fp8 = by_key.get((r["preset"], r["tokens"], r["mode"], r["label"], "float8_moe"))
         if fp8 is None or "families" not in fp8:
             continue
-
-        def ms(row, family):
-            return row["families"].get(family, {}).get("ms", 0.0)
-
-        experts = ms(r, "bf16 GEMM") - ms(fp8, "bf16 GEMM")
+        experts = family_ms(r, "bf16 GEMM") - family_ms(fp8, "bf16 GEMM")
         wall = r["wall_ms"]
         at_2x = wall / (wall - experts / 2)
-        measured_gemms = wall / (wall - experts + ms(fp8, "fp8 GEMM"))
+        measured_gemms = wall / (wall - experts + family_ms(fp8, "fp8 GEMM"))
         print(
             f"{r['preset']:15} {r['tokens']:>6} {r['mode']:8} "
             f"{f'{experts:.2f} ms ({experts / wall:.0%})':>21} {at_2x:>10.2f}x "
-            f"{measured_gemms:>30.2f}x {ms(fp8, 'float8_moe cast'):>8.2f} "
+            f"{measured_gemms:>30.2f}x {family_ms(fp8, 'float8_moe cast'):>8.2f} "
             f"{fp8['speedup_wall']:>7.2f}x"
         )
 
