@@ -3,13 +3,22 @@
     python scripts/profile_summary.py LABEL=TRACE.json [LABEL=TRACE.json ...] [--top 15]
         [--out docs/benchmarks/....json]
 
-Traces are what torchtitan writes with ``--profiling.enable_profiling`` (Chrome trace JSON,
+Traces are what torchtitan writes with ``--profiling.enable_profiling`` (Chrome trace JSON, gzipped or not,
 ``<dump>/profile_traces/iteration_N/rank0_trace.json``). Per trace: the profiled steps' wall time
 (``ProfilerStep#`` spans), the time the GPU was busy (union of kernel spans) and idle, the GPU time
 per kernel family and the top kernels by GPU time. Prints one table per trace and writes JSON.
+
+``--gaps N`` also lists where the GPU sat idle: every gap between kernels inside the profiled
+steps, attributed to the host op that made it. A gap that starts while the host waits in a
+synchronizing call (``cudaStreamSynchronize``, a device-to-host copy, ...) is the sync's; any other
+is the op that launched the kernel ending it (the host was still working on it). Gap time is summed
+per op (the innermost op with a name of its own, and its outermost one), and the N longest gaps
+are listed with their host stacks.
 """
 
 import argparse
+import bisect
+import gzip
 import json
 import re
 from collections import defaultdict
@@ -47,8 +56,10 @@ def union_length(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(path: Path, top: int) -> dict:
-    events = json.loads(path.read_text())["traceEvents"]
+def summarize(path: Path, top: int, gaps: int = 0) -> dict:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     # The host-side step spans; the trace repeats each on the GPU timeline (gpu_user_annotation).
     steps = [
@@ -69,7 +80,7 @@ def summarize(path: Path, top: int) -> dict:
     wall_ms = sum(e["dur"] for e in steps) / 1e3 / n_steps
     busy_ms = union_length([(k["ts"], k["ts"] + k["dur"]) for k in kernels]) / 1e3 / n_steps
     ranked = sorted(per_kernel.items(), key=lambda item: -item[1])[:top]
-    return {
+    summary = {
         "trace": str(path),
         "profiled_steps": len(steps),
         "step_wall_ms": round(wall_ms, 2),
@@ -90,18 +101,178 @@ def summarize(path: Path, top: int) -> dict:
             for name, us in ranked
         ],
     }
+    if gaps:
+        summary["idle"] = idle_gaps(events, steps, gaps)
+    return summary
+
+
+HOST_CATEGORIES = {"cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver"}
+RUNTIME = ("cuda_runtime", "cuda_driver")
+SYNCING = re.compile(r"Synchronize|cudaMemcpy(Async)?$|cudaMemcpy2D|cudaStreamQuery")
+
+
+def _is_step(event: dict) -> bool:
+    return str(event.get("name", "")).startswith("ProfilerStep#")
+
+
+class HostStacks:
+    """The host events of each thread, nested, so that the stack at a time is a walk up parents,
+    and each thread's outermost ops (under the profiler's step span) in order."""
+
+    def __init__(self, events: list[dict]):
+        self.by_thread: dict = defaultdict(list)
+        for e in events:
+            if e.get("cat") in HOST_CATEGORIES and "dur" in e:
+                self.by_thread[e["tid"]].append(e)
+        self.starts, self.outermost, self.outermost_starts = {}, {}, {}
+        for tid, spans in self.by_thread.items():
+            spans.sort(key=lambda e: (e["ts"], -e["dur"]))
+            open_spans: list[dict] = []
+            for e in spans:
+                while open_spans and open_spans[-1]["ts"] + open_spans[-1]["dur"] < e["ts"]:
+                    open_spans.pop()
+                e["_parent"] = open_spans[-1] if open_spans else None
+                open_spans.append(e)
+            self.starts[tid] = [e["ts"] for e in spans]
+            self.outermost[tid] = [
+                e
+                for e in spans
+                if not _is_step(e) and (e["_parent"] is None or _is_step(e["_parent"]))
+            ]
+            self.outermost_starts[tid] = [e["ts"] for e in self.outermost[tid]]
+
+    def stack(self, tid, at: float) -> list[dict]:
+        """Host events of ``tid`` open at time ``at``, outermost first."""
+        spans = self.by_thread.get(tid, [])
+        index = bisect.bisect_right(self.starts.get(tid, []), at) - 1
+        event = spans[index] if index >= 0 else None
+        while event is not None and event["ts"] + event["dur"] < at:
+            event = event["_parent"]
+        chain = []
+        while event is not None:
+            chain.append(event)
+            event = event["_parent"]
+        return chain[::-1]
+
+    def busy(self, tid, start: float, stop: float) -> list[tuple[str, float, float]]:
+        """The outermost ops of ``tid`` that ran between ``start`` and ``stop``, with the part
+        of that interval each ran in."""
+        ops = self.outermost.get(tid, [])
+        index = max(0, bisect.bisect_right(self.outermost_starts.get(tid, []), start) - 1)
+        found = []
+        while index < len(ops) and ops[index]["ts"] < stop:
+            e = ops[index]
+            low, high = max(start, e["ts"]), min(stop, e["ts"] + e["dur"])
+            if high > low and e.get("cat") not in RUNTIME:
+                found.append((str(e["name"]), low, high))
+            index += 1
+        return found
+
+
+def _named_ops(stack: list[dict]) -> list[str]:
+    """The stack's op names, without the runtime calls and the profiler's step span."""
+    return [str(e["name"]) for e in stack if e.get("cat") not in RUNTIME and not _is_step(e)]
+
+
+def idle_gaps(events: list[dict], steps: list[dict], longest: int) -> dict:
+    """Where the GPU sat idle inside the profiled steps, and what the host did meanwhile.
+
+    A gap that opens while the host waits in a synchronizing call is the sync's until the call
+    returns (the queue ran dry); from then on, and for a gap with no sync, it is owed to the host
+    ops that ran before the launch of the kernel that closes it (the host was late)."""
+    kernels = sorted(
+        (e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"]
+    )
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in RUNTIME and "correlation" in e.get("args", {})
+    }
+    syncs = sorted(
+        (e for e in events if e.get("cat") in RUNTIME and SYNCING.search(e["name"])),
+        key=lambda e: e["ts"],
+    )
+    sync_starts = [e["ts"] for e in syncs]
+    stacks = HostStacks(events)
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
+
+    def in_steps(start: float, stop: float) -> float:
+        return sum(max(0.0, min(stop, b) - max(start, a)) for a, b in windows)
+
+    gaps = []
+    busy_until, previous = None, None
+    for k in kernels:
+        if busy_until is not None and k["ts"] > busy_until and in_steps(busy_until, k["ts"]) > 0:
+            gaps.append((busy_until, k["ts"], previous, k))
+        if busy_until is None or k["ts"] + k["dur"] > busy_until:
+            busy_until, previous = k["ts"] + k["dur"], k
+    owed: dict[str, float] = defaultdict(float)
+    listed = []
+    for start, stop, before, after in gaps:
+        index = bisect.bisect_right(sync_starts, start) - 1
+        waiting = next(
+            (e for e in syncs[max(0, index - 50) : index + 1][::-1] if e["ts"] + e["dur"] >= start),
+            None,
+        )
+        launch = launches.get(after.get("args", {}).get("correlation"))
+        owners = []
+        late_from = start
+        if waiting is not None:
+            late_from = min(stop, waiting["ts"] + waiting["dur"])
+            inner = _named_ops(stacks.stack(waiting["tid"], waiting["ts"]))
+            where = inner[-1] if inner else "(no host op)"
+            owners.append((f"sync {waiting['name']} in {where}", in_steps(start, late_from)))
+        if late_from < stop:
+            tid = (launch or waiting or {}).get("tid")
+            ran = stacks.busy(tid, late_from, stop)
+            owners += [(f"host: {name}", in_steps(low, high)) for name, low, high in ran]
+            unowned = in_steps(late_from, stop) - sum(in_steps(low, high) for _, low, high in ran)
+            if unowned > 0:
+                owners.append(("host: (no op)", unowned))
+        owners = [(name, us) for name, us in owners if us > 0]
+        for name, us in owners:
+            owed[name] += us
+        launch_stack = _named_ops(stacks.stack(launch["tid"], launch["ts"])) if launch else []
+        listed.append(
+            {
+                "idle_us": round(in_steps(start, stop), 1),
+                "owed_us": {name: round(us, 1) for name, us in owners},
+                "launched_by": [name[:80] for name in launch_stack[-6:]],
+                "kernel_before": before["name"][:80],
+                "kernel_after": after["name"][:80],
+            }
+        )
+    n_steps = max(len(steps), 1)
+    ranked = sorted(owed.items(), key=lambda item: -item[1])[:25]
+    return {
+        "gaps_per_step": round(len(gaps) / n_steps),
+        "idle_ms_by_owner": {name[:100]: round(us / 1e3 / n_steps, 2) for name, us in ranked},
+        "longest_gaps": sorted(listed, key=lambda g: -g["idle_us"])[:longest],
+    }
+
+
+def print_idle(idle: dict) -> None:
+    print(f"   GPU idle, {idle['gaps_per_step']} gaps/step; ms/step by what the host did:")
+    for name, ms in idle["idle_ms_by_owner"].items():
+        print(f"   {ms:>8.2f} ms  {name}")
+    for gap in idle["longest_gaps"]:
+        owed = ", ".join(f"{name} {us} us" for name, us in gap["owed_us"].items())
+        print(
+            f"   gap {gap['idle_us']:>8.1f} us: {owed}; launched by {' > '.join(gap['launched_by'])}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("traces", nargs="+", help="LABEL=path/to/rank0_trace.json")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--gaps", type=int, default=0, help="list the N longest GPU idle gaps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     summaries = {}
     for item in args.traces:
         label, _, path = item.partition("=")
-        s = summaries[label] = summarize(Path(path), args.top)
+        s = summaries[label] = summarize(Path(path), args.top, args.gaps)
         print(
             f"\n== {label}: {s['profiled_steps']} step(s), wall {s['step_wall_ms']} ms/step, "
             f"GPU busy {s['gpu_busy_ms']} ms, idle {s['gpu_idle_ms']} ms, "
@@ -113,6 +284,8 @@ def main() -> None:
                 f"   {k['ms_per_step']:>8.2f} ms {k['calls_per_step']:>7} x  "
                 f"{k['family']:<16} {k['name']}"
             )
+        if "idle" in s:
+            print_idle(s["idle"])
     if args.out:
         Path(args.out).write_text(json.dumps(summaries, indent=1) + "\n")
 
