@@ -3,17 +3,17 @@
     python scripts/profile_summary.py LABEL=TRACE.json [LABEL=TRACE.json ...] [--top 15]
         [--out docs/benchmarks/....json]
 
-Traces are what torchtitan writes with ``--profiling.enable_profiling`` (Chrome trace JSON, gzipped or not,
-``<dump>/profile_traces/iteration_N/rank0_trace.json``). Per trace: the profiled steps' wall time
-(``ProfilerStep#`` spans), the time the GPU was busy (union of kernel spans) and idle, the GPU time
-per kernel family and the top kernels by GPU time. Prints one table per trace and writes JSON.
+Traces are what torchtitan writes with ``--profiling.enable_profiling`` (Chrome trace JSON,
+``<dump>/profile_traces/iteration_N/rank0_trace.json``, or that file gzipped). Per trace: the
+profiled steps' wall time (``ProfilerStep#`` spans), the time the GPU was busy (union of kernel
+spans) and idle, the GPU time per kernel family and the top kernels by GPU time. Prints one table
+per trace and writes JSON.
 
-``--gaps N`` also lists where the GPU sat idle: every gap between kernels inside the profiled
-steps, attributed to the host op that made it. A gap that starts while the host waits in a
-synchronizing call (``cudaStreamSynchronize``, a device-to-host copy, ...) is the sync's; any other
-is the op that launched the kernel ending it (the host was still working on it). Gap time is summed
-per op (the innermost op with a name of its own, and its outermost one), and the N longest gaps
-are listed with their host stacks.
+``--gaps N`` also says where the GPU sat idle inside the profiled steps and what the host did
+meanwhile: a gap that opens while the host waits in a synchronizing call (``.item()``, a
+device-to-host copy) is the sync's until it returns; the rest of it, and any gap without a sync,
+is owed to the host's outermost ops that ran before the next kernel's launch (a data loader, the
+optimizer, Python). Prints idle ms per step by owner and the N longest gaps.
 """
 
 import argparse
@@ -257,9 +257,8 @@ def print_idle(idle: dict) -> None:
         print(f"   {ms:>8.2f} ms  {name}")
     for gap in idle["longest_gaps"]:
         owed = ", ".join(f"{name} {us} us" for name, us in gap["owed_us"].items())
-        print(
-            f"   gap {gap['idle_us']:>8.1f} us: {owed}; launched by {' > '.join(gap['launched_by'])}"
-        )
+        launcher = " > ".join(gap["launched_by"])
+        print(f"   gap {gap['idle_us']:>8.1f} us: {owed}; launched by {launcher}")
 
 
 def main() -> None:
