@@ -1,6 +1,6 @@
 """Summarize torch profiler traces of trainer steps: where the GPU time goes, bf16 vs float8_moe.
 
-    python scripts/profile_summary.py LABEL=TRACE.json [LABEL=TRACE.json ...] [--top 15]
+    python scripts/profile_summary.py LABEL=TRACE.json [LABEL=TRACE.json ...] [--top 15] [--gaps N]
         [--out docs/benchmarks/....json]
 
 Traces are what torchtitan writes with ``--profiling.enable_profiling`` (Chrome trace JSON,
