@@ -200,7 +200,9 @@ def idle_gaps(events: list[dict], steps: list[dict], longest: int) -> dict:
         return sum(max(0.0, min(stop, b) - max(start, a)) for a, b in windows)
 
     gaps = []
-    busy_until, previous = None, None
+    # The GPU is idle from the first step's start until its first kernel, too.
+    busy_until = min((a for a, _ in windows), default=None)
+    previous = {"name": "(step start)"}
     for k in kernels:
         if busy_until is not None and k["ts"] > busy_until and in_steps(busy_until, k["ts"]) > 0:
             gaps.append((busy_until, k["ts"], previous, k))

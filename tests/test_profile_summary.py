@@ -55,19 +55,21 @@ def test_gaps_go_to_the_sync_that_drained_the_queue_or_the_late_launch(tmp_path)
 
     idle = summarize(trace, top=5, gaps=10)["idle"]
 
-    assert idle["gaps_per_step"] == 3
+    assert idle["gaps_per_step"] == 4
     assert idle["idle_ms_by_owner"] == {
-        # 550 -> 590 and 950 -> 980 between ops; 1100 -> 2000 before the step's end, whose
-        # launch comes after it (the part after the step is not counted).
-        "host: (no op)": 0.97,
+        # 0 -> 10, 30 -> 40, 550 -> 590 and 950 -> 980 between ops; 1100 -> 2000 before the
+        # step's end, whose launch comes after it (the part after the step is not counted).
+        "host: (no op)": 0.99,
         # The GEMM ends at 140 and the sync returns at 145; the host finishes .item() at 550.
         "host: aten::item": 0.41,
         "host: my_loader": 0.25,
         "host: aten::add": 0.02,
+        "host: aten::mm": 0.02,
         "sync cudaStreamSynchronize in aten::_local_scalar_dense": 0.01,
         "host: aten::silu": 0.01,
     }
     longest = idle["longest_gaps"]
-    assert [g["idle_us"] for g in longest] == [900.0, 460.0, 300.0]
+    assert [g["idle_us"] for g in longest] == [900.0, 460.0, 300.0, 40.0]
+    assert longest[3]["kernel_before"] == "(step start)"
     assert longest[1]["launched_by"] == ["aten::silu"]
     assert longest[1]["kernel_before"] == "gemm" and longest[1]["kernel_after"] == "silu"
