@@ -21,7 +21,8 @@ per-step log lines, and reports the median tokens/s per device and the peak rese
 the steps after warm-up, the loss curve, and the speedup over bf16 of the same compile setting.
 With ``--repeat N`` every variant runs N times, interleaved (bf16, fp8, bf16, fp8, ...) so that
 drift of the machine hits all variants alike; a variant's tokens/s is then the median of its
-runs' medians, with the spread (min, max) and every run's value beside it. Writes the rows as
+runs' medians, with the spread (min, max) and every run's value beside it, and its speedup by
+round (run i against bf16's run i) with the median of those. Writes the rows as
 JSON and the raw logs next to it.
 """
 
@@ -33,6 +34,11 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: torchtitan depends on tomli instead
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
@@ -86,6 +92,17 @@ def _memory_cap_site(folder: Path) -> Path:
     return site
 
 
+def loader_workers(config, extra: list[str]) -> int:
+    """The data loader processes a run has: an override's, else the config's (torchtitan's
+    default 0 builds each batch on the training process, between steps)."""
+    flag = "--training.dataloader.num_workers="
+    for argument in extra:
+        if argument.startswith(flag):
+            return int(argument[len(flag) :])
+    with open(REPO / config, "rb") as f:
+        return tomllib.load(f).get("training", {}).get("dataloader", {}).get("num_workers", 0)
+
+
 def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
     config = args.config
     if variant.startswith("bf16"):
@@ -134,6 +151,7 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
             name: os.environ.get(name) for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
         },
         "memory_cap_gib": args.memory_cap_gib,
+        "dataloader_workers": loader_workers(config, extra),
         "out_of_memory": "OutOfMemoryError" in log or "CUDA out of memory" in log,
         "steps_logged": len(steps),
         "log": log_path.name,
@@ -194,7 +212,34 @@ def main() -> None:
             f"{r.get('speedup_vs_bf16', '-'):>8} {r.get('memory_max_reserved_gib', '-'):>8} "
             f"{r.get('final_loss', '-'):>10}"
         )
+    for r in rows:
+        r.update(round_ratios(runs, r["variant"]))
+        if "speedup_rounds" in r:
+            rounds = " / ".join(f"{x:.3f}" for x in r["speedup_rounds"])
+            print(f"{r['variant']:22} rounds {rounds}: median {r['speedup_median_of_rounds']:.3f}")
     Path(args.out).write_text(json.dumps({"variants": rows, "runs": runs}, indent=1) + "\n")
+
+
+def round_ratios(runs: list[dict], variant: str) -> dict:
+    """``variant``'s tokens/s over bf16's (same compile setting) round by round: run i of each,
+    interleaved, so that both saw the machine alike; and the median of those ratios. Rounds
+    where either run failed are left out; nothing for bf16 itself."""
+    if variant.startswith("bf16"):
+        return {}
+    baseline = "bf16+compile" if "+compile" in variant else "bf16"
+    tokens = {
+        (r["variant"], r["run"]): r["tokens_per_s_median"]
+        for r in runs
+        if "tokens_per_s_median" in r
+    }
+    ratios = [
+        round(tps / tokens[(baseline, run)], 3)
+        for (name, run), tps in sorted(tokens.items(), key=lambda item: item[0][1])
+        if name == variant and (baseline, run) in tokens
+    ]
+    if not ratios:
+        return {}
+    return {"speedup_rounds": ratios, "speedup_median_of_rounds": statistics.median(ratios)}
 
 
 def _summary(runs: list[dict]) -> dict:
