@@ -14,6 +14,10 @@ meanwhile: a gap that opens while the host waits in a synchronizing call (``.ite
 device-to-host copy) is the sync's until it returns; the rest of it, and any gap without a sync,
 is owed to the host's outermost ops that ran before the next kernel's launch (a data loader, the
 optimizer, Python). Prints idle ms per step by owner and the N longest gaps.
+
+Each trace after the first is compared with the first (the baseline, bf16): how much faster its
+step is by wall time, by GPU-busy time (the bound once the host keeps the GPU fed), and by
+GPU-busy time without float8_moe's casts (the bound if they cost nothing).
 """
 
 import argparse
@@ -263,6 +267,20 @@ def print_idle(idle: dict) -> None:
         print(f"   gap {gap['idle_us']:>8.1f} us: {owed}; launched by {launcher}")
 
 
+def against_baseline(baseline: dict, other: dict) -> dict:
+    """How much faster ``other``'s step is than ``baseline``'s: by wall time, by GPU-busy time
+    (the bound once the host keeps the GPU fed), and by GPU-busy time without float8_moe's casts
+    (the bound if they cost nothing)."""
+    casts = other["families_ms_per_step"].get("float8_moe cast", 0.0)
+    return {
+        "wall": round(baseline["step_wall_ms"] / other["step_wall_ms"], 3),
+        "gpu_busy": round(baseline["gpu_busy_ms"] / other["gpu_busy_ms"], 3),
+        "gpu_busy_without_casts": round(
+            baseline["gpu_busy_ms"] / (other["gpu_busy_ms"] - casts), 3
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("traces", nargs="+", help="LABEL=path/to/rank0_trace.json")
@@ -287,6 +305,15 @@ def main() -> None:
             )
         if "idle" in s:
             print_idle(s["idle"])
+    baseline, *others = summaries
+    for label in others:
+        ratios = summaries[label]["speedup_vs_" + baseline] = against_baseline(
+            summaries[baseline], summaries[label]
+        )
+        print(
+            f"\n{label} vs {baseline}: wall {ratios['wall']}x, GPU busy {ratios['gpu_busy']}x, "
+            f"GPU busy with free float8_moe casts {ratios['gpu_busy_without_casts']}x"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(summaries, indent=1) + "\n")
 

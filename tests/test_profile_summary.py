@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from profile_summary import summarize  # noqa: E402
+from profile_summary import against_baseline, summarize  # noqa: E402
 
 
 def span(cat, name, ts, dur, tid=1, correlation=None):
@@ -73,3 +73,17 @@ def test_gaps_go_to_the_sync_that_drained_the_queue_or_the_late_launch(tmp_path)
     assert longest[3]["kernel_before"] == "(step start)"
     assert longest[1]["launched_by"] == ["aten::silu"]
     assert longest[1]["kernel_before"] == "gemm" and longest[1]["kernel_after"] == "silu"
+
+
+def test_a_trace_is_compared_with_the_baseline_by_wall_gpu_busy_and_free_casts():
+    baseline = {"step_wall_ms": 400.0, "gpu_busy_ms": 300.0, "families_ms_per_step": {}}
+    fp8 = {
+        "step_wall_ms": 320.0,
+        "gpu_busy_ms": 250.0,
+        "families_ms_per_step": {"fp8 GEMM": 100.0, "float8_moe cast": 50.0},
+    }
+    assert against_baseline(baseline, fp8) == {
+        "wall": 1.25,
+        "gpu_busy": 1.2,
+        "gpu_busy_without_casts": 1.5,
+    }
