@@ -8,6 +8,7 @@ operands (which the interpreter reads exactly) and are checked against dequantiz
 within fp32 accumulation-order error. (``tests/test_blockwise_cuda.py`` checks the same on a GPU.)
 """
 
+import pytest
 import torch
 from harness.interpreted import run_interpreted
 
@@ -282,6 +283,8 @@ def _run_interpreted(check: str) -> None:
     run_interpreted("test_blockwise_kernels_interpreted", check)
 
 
+# About 7 s each in Triton's interpreter: out of the fast loop, which stays under 2 minutes.
+@pytest.mark.slow
 def test_blockwise_quantize_kernels_in_triton_interpreter():
     """1x128, 128x1 (per group) and 128x128 (both orientations) casts: the torch rules' fp8
     codes and scales, ragged edges, empty groups, rows of no group; the CUDA recipe's
@@ -289,16 +292,19 @@ def test_blockwise_quantize_kernels_in_triton_interpreter():
     _run_interpreted("_check_quantize")
 
 
+@pytest.mark.slow
 def test_blockwise_grouped_mm_in_triton_interpreter():
     """Forward and input-gradient forms, empty groups, rows past the last group, ragged K/N."""
     _run_interpreted("_check_grouped_mm")
 
 
+@pytest.mark.slow
 def test_blockwise_wgrad_in_triton_interpreter():
     """Per-group contraction over 128-token blocks, empty groups give 0."""
     _run_interpreted("_check_wgrad")
 
 
+@pytest.mark.slow
 def test_blockwise_autograd_on_kernels_in_triton_interpreter():
     """The CUDA recipe end to end (quantizers, GEMMs, the autograd function) equals its
     emulation."""
