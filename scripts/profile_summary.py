@@ -51,13 +51,22 @@ def family(name: str) -> str:
     return next((label for label, pattern in FAMILIES if pattern.search(name)), "other")
 
 
-def union_length(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(spans):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
+def busy_intervals(kernels: list[dict]) -> list[list]:
+    """When the GPU was busy: disjoint ``[start, end, first kernel, last kernel]``, in time
+    order; kernels that overlap or touch share one, which the last-ending of them ends."""
+    intervals: list[list] = []
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        end = k["ts"] + k["dur"]
+        if intervals and k["ts"] <= intervals[-1][1]:
+            if end > intervals[-1][1]:
+                intervals[-1][1], intervals[-1][3] = end, k
+        else:
+            intervals.append([k["ts"], end, k, k])
+    return intervals
+
+
+def _is_step(event: dict) -> bool:
+    return str(event.get("name", "")).startswith("ProfilerStep#")
 
 
 def summarize(path: Path, top: int, gaps: int = 0) -> dict:
@@ -66,13 +75,7 @@ def summarize(path: Path, top: int, gaps: int = 0) -> dict:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     # The host-side step spans; the trace repeats each on the GPU timeline (gpu_user_annotation).
-    steps = [
-        e
-        for e in events
-        if e.get("cat") == "user_annotation"
-        and str(e.get("name", "")).startswith("ProfilerStep#")
-        and "dur" in e
-    ]
+    steps = [e for e in events if e.get("cat") == "user_annotation" and _is_step(e) and "dur" in e]
     per_kernel: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     per_family: dict[str, float] = defaultdict(float)
@@ -82,7 +85,8 @@ def summarize(path: Path, top: int, gaps: int = 0) -> dict:
         per_family[family(k["name"])] += k["dur"]
     n_steps = max(len(steps), 1)
     wall_ms = sum(e["dur"] for e in steps) / 1e3 / n_steps
-    busy_ms = union_length([(k["ts"], k["ts"] + k["dur"]) for k in kernels]) / 1e3 / n_steps
+    intervals = busy_intervals(kernels)
+    busy_ms = sum(end - start for start, end, _, _ in intervals) / 1e3 / n_steps
     ranked = sorted(per_kernel.items(), key=lambda item: -item[1])[:top]
     summary = {
         "trace": str(path),
@@ -106,17 +110,13 @@ def summarize(path: Path, top: int, gaps: int = 0) -> dict:
         ],
     }
     if gaps:
-        summary["idle"] = idle_gaps(events, steps, gaps)
+        summary["idle"] = idle_gaps(events, intervals, steps, gaps)
     return summary
 
 
 HOST_CATEGORIES = {"cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver"}
 RUNTIME = ("cuda_runtime", "cuda_driver")
 SYNCING = re.compile(r"Synchronize|cudaMemcpy(Async)?$|cudaMemcpy2D|cudaStreamQuery")
-
-
-def _is_step(event: dict) -> bool:
-    return str(event.get("name", "")).startswith("ProfilerStep#")
 
 
 class HostStacks:
@@ -178,15 +178,13 @@ def _named_ops(stack: list[dict]) -> list[str]:
     return [str(e["name"]) for e in stack if e.get("cat") not in RUNTIME and not _is_step(e)]
 
 
-def idle_gaps(events: list[dict], steps: list[dict], longest: int) -> dict:
+def idle_gaps(events: list[dict], intervals: list[list], steps: list[dict], longest: int) -> dict:
     """Where the GPU sat idle inside the profiled steps, and what the host did meanwhile.
 
     A gap that opens while the host waits in a synchronizing call is the sync's until the call
     returns (the queue ran dry); from then on, and for a gap with no sync, it is owed to the host
-    ops that ran before the launch of the kernel that closes it (the host was late)."""
-    kernels = sorted(
-        (e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"]
-    )
+    ops that ran before the launch of the kernel that closes it (the host was late).
+    ``intervals``: ``busy_intervals`` of the trace's kernels."""
     launches = {
         e["args"]["correlation"]: e
         for e in events
@@ -207,11 +205,11 @@ def idle_gaps(events: list[dict], steps: list[dict], longest: int) -> dict:
     # The GPU is idle from the first step's start until its first kernel, too.
     busy_until = min((a for a, _ in windows), default=None)
     previous = {"name": "(step start)"}
-    for k in kernels:
-        if busy_until is not None and k["ts"] > busy_until and in_steps(busy_until, k["ts"]) > 0:
-            gaps.append((busy_until, k["ts"], previous, k))
-        if busy_until is None or k["ts"] + k["dur"] > busy_until:
-            busy_until, previous = k["ts"] + k["dur"], k
+    for start, end, first, last in intervals:
+        if busy_until is not None and start > busy_until and in_steps(busy_until, start) > 0:
+            gaps.append((busy_until, start, previous, first))
+        if busy_until is None or end > busy_until:
+            busy_until, previous = end, last
     owed: dict[str, float] = defaultdict(float)
     listed = []
     for start, stop, before, after in gaps:
