@@ -107,13 +107,15 @@ ROWS = [
         "torch.compile (torchtitan's per-block `fullgraph=True`)",
         WORKS,
         "compiled = eager exactly (routed experts lowered by inductor, shared experts traced "
-        "by dynamo and AOTAutograd), eager with the lazy bf16 cast on or off (the converter "
-        "turns it off for compiled models); trainer within 0.005 (whole model, inductor, CPU). "
-        "On an H200 the compiled trainer logs eager's losses "
-        "(`test_cuda.py::test_compiled_chunked_per_group_cast_equals_eager`)",
+        "by dynamo and AOTAutograd), with the lazy bf16 cast of fp32 weights in both; a lazy "
+        "cast cannot cross a graph break (a clear error; `WeightConfig(lazy_cast=False)` copies); "
+        "trainer within 0.005 (whole model, inductor, CPU). On an H200 the compiled trainer logs "
+        "eager's losses (`test_cuda.py::test_compiled_chunked_per_group_cast_equals_eager`) and "
+        "keeps no copy of the weight "
+        "(`test_cuda.py::test_compiled_lazy_cast_keeps_no_weight_copy`)",
         [
             "test_compile.py::test_compiled_experts_equal_eager",
-            "test_lazy_cast.py::test_casts_that_copy",
+            "test_lazy_cast.py::test_compiled_casts_are_lazy_inside_one_graph",
             "test_train.py::test_default_config_trains_stock_llama4_eager_and_compiled",
         ],
     ),

@@ -305,6 +305,45 @@ def test_lazy_cast_on_cuda_keeps_no_bf16_copy(dim):
     assert results[1][2].dtype == torch.float32
 
 
+def test_compiled_lazy_cast_keeps_no_weight_copy():
+    """torchtitan's compiled routed experts (``w.bfloat16()`` inside the compiled function): the
+    lazy cast leaves no weight-sized tensor for the backward, where copied casts kept one (the
+    bf16 copy, or inductor's fp8 copy of its transpose, at least one byte per element), and the
+    results equal eager's copied cast bit for bit."""
+    torch.manual_seed(0)
+    w = torch.randn(E, H, D, device="cuda") * 0.02
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+
+    def experts(x, weight):
+        return _routed(x, weight.bfloat16())
+
+    results, kept = {}, {}
+    for name, lazy_cast, compiled in [
+        ("eager_copied", False, False),
+        ("compiled_copied", False, True),
+        ("compiled_lazy", True, True),
+    ]:
+        torch._dynamo.reset()
+        fn = torch.compile(experts, fullgraph=True) if compiled else experts
+        config = WeightConfig(emulate=False, lazy_cast=lazy_cast)
+        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), config))
+        xi = x.clone().requires_grad_()
+        fn(xi, weight).backward(grad)  # compiles
+        weight.grad = xi.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = fn(xi, weight)
+        torch.cuda.synchronize()
+        kept[name] = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+        out.backward(grad)
+        results[name] = (out, xi.grad, weight.grad)
+    assert kept["compiled_copied"] - kept["compiled_lazy"] >= w.numel() - 512, kept
+    for name in ("compiled_copied", "compiled_lazy"):
+        for value, expected in zip(results[name], results["eager_copied"], strict=True):
+            assert torch.equal(value, expected), name
+
+
 def test_a_shared_experts_backward_keeps_no_cast_after_it():
     """A FeedForward's w1 and w3 cast the same tokens per group in backward; whatever the last
     one keeps is dropped when the backward ends (it lived into the next step before)."""

@@ -144,10 +144,46 @@ def test_backward_after_a_write_raises():
         (out.float() * target.float()).sum().backward()
 
 
+def test_compiled_casts_are_lazy_inside_one_graph():
+    """In compiled code the cast is lazy in AOTAutograd's trace: the cast and matmul compiled as
+    one graph equal eager's copied cast bit for bit, and a cast that would leave the graph (a
+    graph break between it and its matmul) fails at compile time, naming the way out, where with
+    ``lazy_cast=False`` it is an ordinary copy."""
+    plain, w = _parameter()
+    x, target = _inputs()
+
+    def fwd_bwd(fn, weight):
+        out = fn(x, weight)
+        (out * target).sum().backward()
+        grad, weight.grad = weight.grad, None
+        return out.detach(), grad
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x, w: _routed(x, w.bfloat16()), backend="aot_eager", fullgraph=True
+    )
+    got = fwd_bwd(compiled, w)
+    want = fwd_bwd(lambda x, w: _routed(x, w.bfloat16().clone()), w)
+    assert all(map(torch.equal, got, want))
+
+    def cast(weight):
+        return weight.bfloat16()
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="lazy_cast=False"):
+        torch.compile(cast, backend="aot_eager", fullgraph=True)(w)
+    off = torch.nn.Parameter(
+        Float8MoEWeight(plain.clone(), WeightConfig(emulate=True, lazy_cast=False))
+    )
+    torch._dynamo.reset()
+    out = torch.compile(cast, backend="aot_eager", fullgraph=True)(off)
+    assert out._data.dtype == torch.bfloat16 and torch.equal(out.high_precision(), plain.bfloat16())
+
+
 def test_casts_that_copy():
     """Where the cast is not a forward's: without grad (``model.to(torch.bfloat16)``), to fp16
     (its range is not fp32's), of a plain (non-parameter) weight, of a parameter that does not
-    require grad; and compiled code (traced copies). Each holds a bf16/fp16 copy."""
+    require grad; and with ``WeightConfig(lazy_cast=False)``. Each holds a bf16/fp16 copy."""
     plain, w = _parameter()
     with torch.no_grad():
         assert w.bfloat16()._data.dtype == torch.bfloat16
@@ -157,8 +193,8 @@ def test_casts_that_copy():
     frozen = torch.nn.Parameter(Float8MoEWeight(plain.clone(), WeightConfig(emulate=True)))
     frozen.requires_grad_(False)
     assert frozen.bfloat16()._data.dtype == torch.bfloat16
-    compiled = WeightConfig(emulate=True, lazy_cast=False)  # convert(..., compiled=True)
-    assert torch.nn.Parameter(Float8MoEWeight(plain.clone(), compiled)).bfloat16()._data.dtype == (
+    off = WeightConfig(emulate=True, lazy_cast=False)
+    assert torch.nn.Parameter(Float8MoEWeight(plain.clone(), off)).bfloat16()._data.dtype == (
         torch.bfloat16
     )
     module = torch.nn.Module()

@@ -68,8 +68,7 @@ def convert(
     weight's). ``path``: the fp8 path's name in the plan (default "emulated" or "cuda").
     ``policy``: "always" converts every selected weight; "auto" keeps in bf16 the weights whose
     fp8 GEMMs are estimated slower than bf16's at ``tokens`` tokens per rank and micro-batch,
-    eager or ``compiled`` (``policy.py``; the plan row says why; ``compiled`` also turns the
-    lazy bf16 cast of ``weight/tensor.py`` off). The emulated path has no speed
+    eager or ``compiled`` (``policy.py``; the plan row says why). The emulated path has no speed
     to gain or lose and converts every weight under either policy. ``align_token_groups``: on
     CUDA, set torchtitan 0.2.2's token-group alignment for fp8 GEMMs (torchtitan 0.3 pads the
     groups in its token dispatcher instead: ``torchtitan_v03/converter.py`` sets it up).
@@ -79,9 +78,7 @@ def convert(
     targets = select_expert_modules(model, fqns)
     if emulate is None:
         emulate = not (torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda")))
-    config = WeightConfig(
-        recipe, emulate, cache_fp8_weights, fp8_all_gather, lazy_cast=not compiled
-    )
+    config = WeightConfig(recipe, emulate, cache_fp8_weights, fp8_all_gather)
     fp8_recipe = config.fp8_recipe
     path = path or ("emulated" if emulate else "cuda")
     auto = policy == "auto" and not emulate

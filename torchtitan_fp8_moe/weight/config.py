@@ -15,8 +15,9 @@ class WeightConfig:
     cache_fp8: bool = False
     # Under FSDP2: all-gather fp8 payloads quantized on the shard where it can (config.py).
     fp8_all_gather: bool = False
-    # A forward's cast of an fp32 parameter to bf16 holds no copy (weight/tensor.py); off where
-    # the model is compiled, whose graph breaks could hand such a cast to a compiled region.
+    # A forward's cast of an fp32 parameter to bf16 holds no copy, eager or compiled
+    # (weight/tensor.py); off for compiled code whose graph breaks between such a cast and its
+    # matmul, where the cast would cross a graph boundary.
     lazy_cast: bool = True
 
     def __post_init__(self):

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch._prims_common import suggest_memory_format
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 from ..fp8 import gathered
@@ -166,8 +167,9 @@ class Float8MoEWeight(Fp8Weight):
         if self._cast_from is not None:
             raise NotImplementedError(
                 f"float8_moe: a lazy {self.dtype} cast of a converted weight "
-                f"{list(self.shape)} cannot enter a compiled region; convert with "
-                "compiled=True (the trainer does where compile.enable covers the model)"
+                f"{list(self.shape)} cannot cross a compiled region's boundary (a graph break "
+                "between the cast and its matmul); compile the cast with its matmul as one "
+                "graph (fullgraph=True, as torchtitan does) or set WeightConfig(lazy_cast=False)"
             )
         return ["_data"], self.config
 
@@ -349,11 +351,14 @@ class Float8MoEWeight(Fp8Weight):
 
 
 def _lazy_cast_dtype(func, args, kwargs) -> torch.dtype | None:
-    """bf16 where ``func`` casts an fp32 parameter to bf16 in a forward that autograd records,
-    eagerly, and changes nothing else: the cast torchtitan's grouped experts make where FSDP
-    does not cast (one device, DDP, FSDP with fp32 parameters). Else None, and the cast makes a
-    copy: ``model.to(torch.bfloat16)`` runs without grad, compiled models trace the copy
-    (``WeightConfig.lazy_cast``), and a tensor-parallel weight's local tensor is no parameter."""
+    """bf16 where ``func`` casts an fp32 weight that takes gradients to bf16 in a forward that
+    autograd records and changes nothing else: the cast torchtitan's grouped experts make where
+    FSDP does not cast (one device, DDP, FSDP with fp32 parameters). Eagerly the weight must be
+    a parameter (a tensor-parallel weight's local tensor is none); in compiled code, any such
+    weight in AOTAutograd's trace, where the cast and its matmuls are one functional graph.
+    Else None, and the cast makes a copy: ``model.to(torch.bfloat16)`` runs without grad,
+    dynamo's fake run flattens its results (which a lazy cast cannot be), and
+    ``WeightConfig.lazy_cast`` may turn it off."""
     if func is not aten._to_copy.default or len(args) != 1:
         return None
     (source,) = args
@@ -366,13 +371,13 @@ def _lazy_cast_dtype(func, args, kwargs) -> torch.dtype | None:
         and kwargs.get("memory_format") in (None, torch.preserve_format)
     ):
         return None
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if not (torch.is_grad_enabled() and source.requires_grad and source.config.lazy_cast):
         return None
-    if not (
-        isinstance(source, torch.nn.Parameter) and source.requires_grad and source.config.lazy_cast
-    ):
-        return None
-    return torch.bfloat16
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None:
+        return torch.bfloat16  # AOTAutograd's trace
+    if isinstance(source._data, FakeTensor) or torch.compiler.is_compiling():
+        return None  # dynamo's fake run
+    return torch.bfloat16 if isinstance(source, torch.nn.Parameter) else None
 
 
 def _lazy_cast_view(func, args, kwargs, source: Float8MoEWeight) -> Float8MoEWeight | None:
