@@ -158,13 +158,22 @@ def test_compiled_casts_are_lazy_inside_one_graph():
         grad, weight.grad = weight.grad, None
         return out.detach(), grad
 
-    torch._dynamo.reset()
-    compiled = torch.compile(
-        lambda x, w: _routed(x, w.bfloat16()), backend="aot_eager", fullgraph=True
-    )
-    got = fwd_bwd(compiled, w)
-    want = fwd_bwd(lambda x, w: _routed(x, w.bfloat16().clone()), w)
-    assert all(map(torch.equal, got, want))
+    # Forms that use the cast (``cast(w)``) inside the graph: torchtitan's, a view chain, a
+    # linear layer on one expert's 2D view, other ops on the bf16 values beside the matmul.
+    forms = {
+        "routed": lambda x, w16: _routed(x, w16),
+        "view_chain": lambda x, w16: _routed(x, w16.transpose(-2, -1).transpose(-2, -1)),
+        "linear": lambda x, w16: F.linear(x, w16[1]),
+        "other_ops": lambda x, w16: _routed(x, w16) + (w16 * 2).high_precision().sum(),
+    }
+    for name, form in forms.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda x, w, form=form: form(x, w.bfloat16()), backend="aot_eager", fullgraph=True
+        )
+        got = fwd_bwd(compiled, w)
+        want = fwd_bwd(lambda x, w, form=form: form(x, w.bfloat16().clone()), w)
+        assert all(map(torch.equal, got, want)), name
 
     def cast(weight):
         return weight.bfloat16()
