@@ -257,58 +257,60 @@ def test_checkpoints_hold_plain_tensors_and_load_either_way(trainer_log, run):
     assert not torch.equal(shared._data, torch.zeros_like(shared._data))
 
 
-# The README's main job (stock llama4 debug model, FeedForward shared experts), 3 steps, and the
-# same with torch.compile (torchtitan compiles each block with fullgraph=True).
-DEFAULT = trainer_run("default_eager", 2, DEBUG_CONFIG, "--training.steps=3")
-DEFAULT_COMPILED = trainer_run(
-    "default_compiled",
-    2,
-    DEBUG_CONFIG,
-    "--training.steps=3",
-    "--compile.enable",
-    env={"TORCHINDUCTOR_CACHE_DIR": "{out}/inductor"},
-)
+def eager_and_compiled(name: str, ranks: int) -> tuple[str, str]:
+    """The debug config for 3 steps at ``ranks`` ranks, eager (``<name>_eager``) and with
+    torch.compile (``<name>_compiled``: torchtitan compiles each block with fullgraph=True)."""
+    eager = trainer_run(f"{name}_eager", ranks, DEBUG_CONFIG, "--training.steps=3")
+    compiled = trainer_run(
+        f"{name}_compiled",
+        ranks,
+        DEBUG_CONFIG,
+        "--training.steps=3",
+        "--compile.enable",
+        env={"TORCHINDUCTOR_CACHE_DIR": "{out}/inductor"},
+    )
+    return eager, compiled
+
+
+def eager_log_tracked_by_compiled(trainer_log, eager: str, compiled: str) -> str:
+    """``eager``'s log, after checking that both runs train 3 steps, the loss falls, and the
+    compiled run's losses are within 0.005 of eager's (inductor reorders the attention and norm
+    math)."""
+    log = trainer_log(eager).text
+    curve = losses(log)
+    assert sorted(curve) == [1, 2, 3] and curve[3] < curve[1]
+    compiled_log = trainer_log(compiled).text
+    assert "Compiling each TransformerBlock with torch.compile" in compiled_log
+    compiled_curve = losses(compiled_log)
+    assert sorted(compiled_curve) == [1, 2, 3]
+    assert max(abs(compiled_curve[s] - curve[s]) for s in curve) < 0.005, (curve, compiled_curve)
+    return log
+
+
+# The README's main job (stock llama4 debug model, FeedForward shared experts), 2 ranks (FSDP's
+# bf16 weights).
+DEFAULT, DEFAULT_COMPILED = eager_and_compiled("default", 2)
 
 
 @needs(DEFAULT, DEFAULT_COMPILED)
 def test_default_config_trains_stock_llama4_eager_and_compiled(trainer_log):
     """Converted routed and shared experts, on the bundled tokenizer and corpus. Compiled vs
-    eager: within 0.005 (inductor reorders the attention and norm math; measured 5e-4 on CPU)."""
-    log = trainer_log(DEFAULT).text
-    curve = losses(log)
-    assert sorted(curve) == [1, 2, 3] and curve[3] < curve[1]
+    eager: within 0.005 (measured 5e-4 on CPU)."""
+    log = eager_log_tracked_by_compiled(trainer_log, DEFAULT, DEFAULT_COMPILED)
     assert "converted 18 expert weights of 6 modules" in log
     assert re.search(r"layers\.1\.moe\.shared_experts\.w1\.weight +\[512, 256\] +2 ", log)
-    compiled_log = trainer_log(DEFAULT_COMPILED).text
-    assert "Compiling each TransformerBlock with torch.compile" in compiled_log
-    compiled = losses(compiled_log)
-    assert sorted(compiled) == [1, 2, 3]
-    assert max(abs(compiled[s] - curve[s]) for s in curve) < 0.005, (curve, compiled)
 
 
 # One rank: no FSDP, so torchtitan trains fp32 weights under autocast and its routed experts'
 # `w.bfloat16()` is the lazy cast, taken in AOTAutograd's trace when compiled.
-ONE_RANK = trainer_run("one_rank_eager", 1, DEBUG_CONFIG, "--training.steps=3")
-ONE_RANK_COMPILED = trainer_run(
-    "one_rank_compiled",
-    1,
-    DEBUG_CONFIG,
-    "--training.steps=3",
-    "--compile.enable",
-    env={"TORCHINDUCTOR_CACHE_DIR": "{out}/inductor"},
-)
+ONE_RANK, ONE_RANK_COMPILED = eager_and_compiled("one_rank", 1)
 
 
 @needs(ONE_RANK, ONE_RANK_COMPILED)
 def test_one_rank_fp32_weights_compiled_equals_eager(trainer_log):
     """fp32 expert weights (one rank) compiled vs eager: within 0.005, as with FSDP's bf16
     weights above (measured 2.2e-4 on CPU)."""
-    curve = losses(trainer_log(ONE_RANK).text)
-    compiled_log = trainer_log(ONE_RANK_COMPILED).text
-    assert "Compiling each TransformerBlock with torch.compile" in compiled_log
-    compiled = losses(compiled_log)
-    assert sorted(curve) == sorted(compiled) == [1, 2, 3] and curve[3] < curve[1]
-    assert max(abs(compiled[s] - curve[s]) for s in curve) < 0.005, (curve, compiled)
+    eager_log_tracked_by_compiled(trainer_log, ONE_RANK, ONE_RANK_COMPILED)
 
 
 COMPOSITIONS = {
