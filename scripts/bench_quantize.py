@@ -3,6 +3,7 @@
     python scripts/bench_quantize.py [--tokens 16384,65536] [--new-counts 3]
         [--out outputs/benchmarks/h200_quantize.json]
     python scripts/bench_quantize.py --lazy-cast 5   # the lazy bf16 cast's weight casts
+    python scripts/bench_quantize.py --rows-sweep    # the activation row cast's tile shapes
 
 For each token count M (16 experts, uneven token groups aligned to 16, Scout's 5120 x 8192):
 - the weight-gradient operands' per-group column-wise cast (``a [M, K]`` and ``grad [M, N]``,
@@ -275,6 +276,39 @@ def lazy_cast_sweep() -> list[dict]:
     return rows
 
 
+# (rows per tile, tiles per program, warps) of the activation / gradient row cast timed by
+# --rows-sweep; the first is the shipped shape (warps None: the kernel's rule).
+ROWS_SWEEP = [(1, 1, None), (1, 1, 8), (1, 1, 4), (2, 1, 16), (2, 1, 8), (1, 4, 8), (1, 4, 16)]
+ROWS_SWEEP += [(2, 4, 16), (2, 8, 16), (4, 4, 16), (1, 8, 8), (2, 2, 8)]
+
+
+def rows_sweep(tokens: int) -> list[dict]:
+    """The row cast of bf16 activations and gradients (the forward's input, the input
+    gradient's output gradient) at other tile shapes, Scout's two row lengths; each shape's
+    output checked equal to the shipped one's."""
+    rows = []
+    shipped = (rowwise.ROWS_TILE_ROWS, rowwise.ROWS_ROW_TILES, rowwise.ROWS_WARPS)
+    for width in (DIM, HIDDEN):
+        x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+        want = rowwise.rowwise_fp8(x)
+        for config in ROWS_SWEEP:
+            rowwise.ROWS_TILE_ROWS, rowwise.ROWS_ROW_TILES, rowwise.ROWS_WARPS = config
+            got = rowwise.rowwise_fp8(x)
+            rows.append(
+                {
+                    "kernel": "rows tile {} x {}, warps {}".format(*config),
+                    "case": f"{tokens} x {width}",
+                    "impl": "float8_moe",
+                    "ms": round(do_bench(partial(rowwise.rowwise_fp8, x), warmup=25, rep=200), 4),
+                    "equal": all(
+                        torch.equal(g.float(), w.float()) for g, w in zip(got, want, strict=True)
+                    ),
+                }
+            )
+    rowwise.ROWS_TILE_ROWS, rowwise.ROWS_ROW_TILES, rowwise.ROWS_WARPS = shipped
+    return rows
+
+
 def _cast_then_quantize(b):
     return triton_quantize.weight(b.bfloat16())
 
@@ -357,9 +391,14 @@ def main() -> None:
         metavar="ROUNDS",
         help="only the lazy bf16 cast's weight casts, in this many interleaved rounds",
     )
+    parser.add_argument(
+        "--rows-sweep", action="store_true", help="only the row cast of activations, at other tiles"
+    )
     parser.add_argument("--out", default="outputs/benchmarks/h200_quantize.json")
     args = parser.parse_args()
-    if args.lazy_cast:
+    if args.rows_sweep:
+        rows = rows_sweep(args.sweep_tokens)
+    elif args.lazy_cast:
         rows = lazy_cast_casts(args.lazy_cast) + (lazy_cast_sweep() if args.sweep else [])
     else:
         rows = [] if args.weights_only else per_group_casts(args)

@@ -55,6 +55,36 @@ def test_cuda_kernels_match_emulation(forward, shape, dtype):
         assert sqnr(emulated, cuda) > 35
 
 
+def test_one_local_expert_with_padding_rows_matches_emulation():
+    """One local expert (expert parallelism over as many ranks as experts): torchtitan pads the
+    routed tokens past the group's end (``_permute``), and the one-group weight gradient is a
+    plain GEMM over all rows. Its operands' rows past the group were never written (whatever
+    memory they got; here freed fp8 NaNs of their sizes); now they are zeros, and the CUDA
+    gradients match the emulated ones."""
+    torch.manual_seed(0)
+    w = torch.randn(1, H, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    offs = torch.tensor([M - 96], device="cuda", dtype=torch.int32)
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    x[M - 96 :] = 0  # torchtitan's padding rows
+    grad = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+
+    def expert(x, weight):
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+
+    results = []
+    for emulate in (True, False):
+        poison = [torch.full((n * M,), 0x7F, device="cuda", dtype=torch.uint8) for n in (D, H) * 8]
+        del poison  # back to the allocator's free blocks, contents kept
+        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(emulate=emulate)))
+        xi = x.clone().requires_grad_()
+        out = expert(xi, weight)
+        out.backward(grad)
+        results.append((out[: M - 96], xi.grad[: M - 96], weight.grad))
+    for emulated, cuda in zip(*results, strict=True):
+        assert cuda.isfinite().all()
+        assert sqnr(emulated.float(), cuda.float()) > 35
+
+
 @pytest.mark.parametrize(
     "forward,shape",
     [(_routed, (E, H, D)), (_grouped_shared, (1, H, D)), (_linear, (H, D))],
@@ -176,7 +206,7 @@ def test_weight_quantizers_match_the_torch_rules(stored_shape):
 def test_per_group_kernel_matches_the_torch_rules_for_every_token_count():
     """Our per-group column-wise cast (the weight gradient's operands) equals the torch rules
     for token counts that change from call to call, as they do under expert parallelism, and
-    with empty groups and rows past the last group."""
+    with empty groups and rows past the last group (zeros in the outputs)."""
     from torchtitan_fp8_moe.fp8 import torch_quantize, triton_quantize
 
     torch.manual_seed(0)
@@ -193,6 +223,7 @@ def test_per_group_kernel_matches_the_torch_rules_for_every_token_count():
             for data, ref in ((got[0], want[0]), (got[2], want[2])):
                 assert data.stride() == (1, tokens)
                 assert torch.equal(data[:rows].float(), ref[:rows].float()), tokens
+                assert not data[rows:].float().any(), "rows of no group are zeros"
             assert torch.equal(got[1], want[1]) and torch.equal(got[3], want[3]), tokens
 
 
@@ -342,6 +373,58 @@ def test_compiled_lazy_cast_keeps_no_weight_copy():
     for name in ("compiled_copied", "compiled_lazy"):
         for value, expected in zip(results[name], results["eager_copied"], strict=True):
             assert torch.equal(value, expected), name
+
+
+def test_compiled_silu_gradients_are_stored_fewer_times():
+    """torchtitan's compiled routed experts: with our kernels reading their inputs through an
+    ``as_strided`` view (``fp8/opaque.py``), inductor stores the SiLU backward's two gradients
+    fewer times than without it, where it copied each for every kernel that reads it (6 stores
+    in the Scout trainer's kernel, docs/benchmarks/archive/2026-12-04-silu-single-store/).
+    Results equal eager's bit for bit either way."""
+    import re
+
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+    from torchtitan.models.moe.moe import _run_experts_grouped_mm
+
+    from torchtitan_fp8_moe.fp8 import opaque
+
+    torch.manual_seed(0)
+    shapes = ((E, H, D), (E, D, H), (E, H, D))
+    weights = [torch.randn(*shape, device="cuda") * 0.02 for shape in shapes]
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    tokens = torch.tensor([512, 0, 1024, 512], device="cuda")
+
+    def step(fn):
+        params = [torch.nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig())) for w in weights]
+        xi = x.clone().requires_grad_()
+        out = fn(*params, xi, tokens)
+        out.backward(grad)
+        return [out, xi.grad, *(p.grad for p in params)]
+
+    def silu_backward_stores():
+        torch._dynamo.reset()
+        compiled = torch.compile(_run_experts_grouped_mm, fullgraph=True)
+        with fresh_cache():  # inductor generates the code, not its cache
+            results, codes = run_and_get_code(step, compiled)
+        kernels = "".join(codes).split("async_compile.triton(")
+        silu = [k.split("device_str=")[0] for k in kernels if re.match(r"'triton_\w*silu_backw", k)]
+        assert silu
+        return results, sum(kernel.count("tl.store(") for kernel in silu)
+
+    expected = step(_run_experts_grouped_mm)
+    results, stores = silu_backward_stores()
+    as_strided_self = opaque._as_strided_self
+    try:
+        opaque._as_strided_self = lambda value: value
+        results_without, stores_without = silu_backward_stores()
+    finally:
+        opaque._as_strided_self = as_strided_self
+        torch._dynamo.reset()
+    assert stores < stores_without, (stores, stores_without)
+    for values in (results, results_without):
+        for value, want in zip(values, expected, strict=True):
+            assert torch.equal(value, want)
 
 
 def test_a_shared_experts_backward_keeps_no_cast_after_it():

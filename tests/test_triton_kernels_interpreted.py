@@ -13,7 +13,8 @@ from harness.interpreted import run_interpreted
 
 # (tokens M, columns C, group ends): empty groups, rows past the last group, one group, a group
 # shorter than a tile, columns not a multiple of the tile, M below one tile, a group over more
-# than two tiles (of 256 rows), groups ending exactly at a chunk's end, an empty last group.
+# than two tiles (of 256 rows), groups ending exactly at a chunk's end, an empty last group, one
+# group with rows past it, only empty groups.
 CASES = [
     (300, 70, [0, 5, 133, 133, 290]),
     (600, 70, [1, 560, 600]),
@@ -21,6 +22,8 @@ CASES = [
     (40, 130, [3, 3, 3, 40]),
     (129, 1, [1, 128, 129]),
     (1100, 65, [256, 512, 513, 1024, 1024]),
+    (200, 33, [150]),  # one group, rows past it (torchtitan's padding with one local expert)
+    (64, 20, [0, 0]),  # no tokens in any group
 ]
 
 
@@ -35,7 +38,13 @@ def _check_per_group_colwise() -> None:
         )
         return (x.float() * gemm.per_token(scales, groups)).clamp(-FP8_MAX, FP8_MAX), scales
 
+    def poisoned_empty(*args, **kwargs):
+        # Memory the kernels do not write shows up as NaN.
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(math.nan) if tensor.is_floating_point() else tensor
+
     torch.manual_seed(0)
+    empty, torch.empty = torch.empty, poisoned_empty
     for tokens, cols, ends in CASES:
         # Columns spanning 12 orders of magnitude, so the scales differ per column and group.
         x = (torch.randn(tokens, cols) * torch.logspace(-6, 6, cols)).bfloat16()
@@ -55,7 +64,10 @@ def _check_per_group_colwise() -> None:
                     ends,
                     chunk_rows,
                 )
+                # Rows of no group are zeros (a one-group weight gradient is a GEMM over all).
+                assert torch.equal(values[ends[-1] :], torch.zeros_like(values[ends[-1] :]))
                 assert values.stride() == (1, tokens), "column-major, as the wgrad GEMM reads it"
+    torch.empty = empty
     # A NaN stays NaN, and only where it was, whichever chunk holds it.
     x = torch.ones(600, 8, dtype=torch.bfloat16)
     x[5, 3] = x[530, 6] = math.nan

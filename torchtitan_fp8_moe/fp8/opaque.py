@@ -33,8 +33,32 @@ def compile_triton(name: str, fn: Callable) -> Callable:
     time per compiled layer call at the Scout preset's TP 8 shapes against bf16's 3.5 ms, 6.2 ms
     as a triton op (docs/benchmarks/archive/2026-12-03-per-group-chunks-cast-reuse-triton-ops/).
     The op's shape rule is ``fn`` run on fake tensors."""
-    op = torch.library.triton_op(f"torchtitan_fp8_moe::{name}", fn, mutates_args=())
+    op = torch.library.triton_op(
+        f"torchtitan_fp8_moe::{name}", _with_traced_inputs_realized(fn), mutates_args=()
+    )
     return _eager_or_op(fn, op)
+
+
+def _with_traced_inputs_realized(fn: Callable) -> Callable:
+    """``fn`` that, while traced, reads each tensor argument through an ``as_strided`` view of
+    itself. Inductor gives a user Triton kernel its inputs with the strides they had when traced
+    (exact strides): an input that inductor has not stored yet (a fused pointwise result, such as
+    the SiLU backward's two gradients) is copied for each kernel that reads it, one store per
+    kernel, each the size of the tensor. An ``as_strided`` user makes inductor store the input
+    once with those strides instead, and every kernel reads that (torch 2.11 and 2.13,
+    ``GraphLowering.run_node``; docs/benchmarks/archive/2026-12-04-silu-single-store/)."""
+
+    @functools.wraps(fn)
+    def call(*args):
+        return fn(*(_as_strided_self(a) for a in args))
+
+    return call
+
+
+def _as_strided_self(value):
+    if not isinstance(value, torch.Tensor) or _plain(value):
+        return value
+    return value.as_strided(value.shape, value.stride(), value.storage_offset())
 
 
 def launcher(kernel, tensor: torch.Tensor):

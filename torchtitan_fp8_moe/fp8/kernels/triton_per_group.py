@@ -4,7 +4,9 @@ The weight-gradient GEMM ``a_g^T @ grad_g`` contracts over each group's tokens, 
 and ``grad [M, N]`` get one scale per (group, column), over the group's rows, and are stored
 column-major for the GEMM. Same rules as ``quantize.py`` (largest power-of-2 scale that keeps
 the amax in fp8 range, saturating cast, NaN stays NaN where it was). Rows past the last offset
-are neither read nor written.
+are not read, and are zeros in the outputs: a one-group weight gradient is a plain GEMM over all
+the rows, and torchtitan pads its routed tokens past the last group (``_permute``), so with one
+local expert those rows held whatever memory the outputs were given.
 
 Two ways to split the work, by how many programs one per (column block, group) would make:
 - enough (routed experts): one launch, each program takes one group's rows of its columns, the
@@ -96,6 +98,7 @@ def _cast_rows(
     out_ptr,
     start,
     end,
+    written_end,
     cols,
     col_mask,
     scale,
@@ -104,17 +107,18 @@ def _cast_rows(
     FP8_LIMIT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
-    """Rows ``[start, end)`` of ``cols`` scaled, saturated and cast, written column-major
-    (element (r, c) at c * n_rows + r)."""
-    for first in range(start, end, BLOCK_ROWS):
+    """Rows ``[start, end)`` of ``cols`` scaled, saturated and cast, and zeros for rows
+    ``[end, written_end)`` (unread: 0 times a finite scale), written column-major (element
+    (r, c) at c * n_rows + r)."""
+    for first in range(start, written_end, BLOCK_ROWS):
         rows = first + tl.arange(0, BLOCK_ROWS)
-        mask = (rows < end)[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+        read = (rows < end)[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=read, other=0.0)
         y = saturate(x.to(tl.float32) * scale[None, :], FP8_LIMIT)
         tl.store(
             out_ptr + cols[None, :] * n_rows + rows[:, None],
             y.to(out_ptr.dtype.element_ty),
-            mask=mask,
+            mask=(rows < written_end)[:, None] & col_mask[None, :],
         )
 
 
@@ -178,10 +182,16 @@ def _chunk_cast(
         amax_bits = tl.load(amax_bits_ptr + group * n_cols + cols, mask=col_mask, other=0)
         scale = pow2_scale(amax_bits.to(tl.float32, bitcast=True), FP8_LIMIT, AMAX_FLOOR)
         _cast_rows(
-            x_ptr, out_ptr, start, end, cols, col_mask, scale, n_rows, n_cols, FP8_LIMIT,
+            x_ptr, out_ptr, start, end, end, cols, col_mask, scale, n_rows, n_cols, FP8_LIMIT,
             BLOCK_ROWS,
         )  # fmt: skip
     if chunk == 0:
+        # Zeros in the rows past the last group (none of them is read; any finite scale).
+        last_end = tl.load(offs_ptr + groups - 1).to(tl.int64)
+        _cast_rows(
+            x_ptr, out_ptr, last_end, last_end, n_rows, cols, col_mask, col_mask.to(tl.float32),
+            n_rows, n_cols, FP8_LIMIT, BLOCK_ROWS,
+        )  # fmt: skip
         # Every group's scales, empty groups' too (from amax 0), written once per column block.
         for first in range(0, groups, BLOCK_GROUPS):
             group_ids = first + tl.arange(0, BLOCK_GROUPS)
@@ -200,6 +210,7 @@ def _whole_group(
     offs_ptr,
     col_block,
     group,
+    groups,
     n_rows,
     n_cols,
     FP8_LIMIT: tl.constexpr,
@@ -212,12 +223,15 @@ def _whole_group(
     col_mask = cols < n_cols
     start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
     end = tl.load(offs_ptr + group).to(tl.int64)
+    # The last group's program also writes the zeros of the rows past it.
+    written_end = tl.where(group == groups - 1, n_rows, end)
     amax = _column_amax(x_ptr, start, end, cols, col_mask, n_cols, BLOCK_ROWS, BLOCK_COLS)
     scale = pow2_scale(amax, FP8_LIMIT, AMAX_FLOOR)
     tl.store(scale_ptr + group * n_cols + cols, scale, mask=col_mask)
     _cast_rows(
-        x_ptr, out_ptr, start, end, cols, col_mask, scale, n_rows, n_cols, FP8_LIMIT, BLOCK_ROWS
-    )
+        x_ptr, out_ptr, start, end, written_end, cols, col_mask, scale, n_rows, n_cols,
+        FP8_LIMIT, BLOCK_ROWS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -233,6 +247,7 @@ def _per_group_whole_kernel(
     a_cols,
     grad_cols,
     a_col_blocks,
+    groups,
     FP8_LIMIT: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -242,13 +257,13 @@ def _per_group_whole_kernel(
     col_block, group = tl.program_id(0), tl.program_id(1)
     if col_block < a_col_blocks:
         _whole_group(
-            a_ptr, a_out_ptr, a_scale_ptr, offs_ptr, col_block, group, n_rows, a_cols,
+            a_ptr, a_out_ptr, a_scale_ptr, offs_ptr, col_block, group, groups, n_rows, a_cols,
             FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
         )  # fmt: skip
     else:
         _whole_group(
             grad_ptr, grad_out_ptr, grad_scale_ptr, offs_ptr, col_block - a_col_blocks, group,
-            n_rows, grad_cols, FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
+            groups, n_rows, grad_cols, FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
         )  # fmt: skip
 
 
@@ -362,7 +377,7 @@ def cast_per_group_colwise_pair(
     if chunk_rows == 0:
         launcher(_per_group_whole_kernel, a)[(col_blocks, groups)](
             a, grad, a_out, grad_out, a_scales, grad_scales, offs, n_rows, a_cols, grad_cols,
-            a_col_blocks, **limits, **tile,
+            a_col_blocks, groups, **limits, **tile,
         )  # fmt: skip
         return a_out, a_scales, grad_out, grad_scales
     # A zeroed buffer of its own per tensor: the kernels write them by atomic max. (Slices of

@@ -43,6 +43,9 @@ TILE_ROWS, ROW_TILES = 4, 16
 # casting to bf16 first and quantizing that (1.67 / 1.56 ms; an H200, `scripts/bench_quantize.py
 # --lazy-cast 1 --sweep`, docs/benchmarks/archive/2026-12-03-bit-identical-lazy-cast/).
 FP32_MAX_TILE, FP32_ROW_TILES = 16384, 32
+# Activation and gradient rows (no column amax): rows per tile, tiles per program, and warps
+# (None: one warp per 512 elements of the tile, 4 to 16).
+ROWS_TILE_ROWS, ROWS_ROW_TILES, ROWS_WARPS = 1, 1, None
 
 
 @triton.jit
@@ -130,8 +133,9 @@ def cast_rows(
     )
     if x.numel():
         block = triton.next_power_of_2(n_cols)
-        tile_rows, row_tiles = 1, 1
+        tile_rows, row_tiles, num_warps = ROWS_TILE_ROWS, ROWS_ROW_TILES, ROWS_WARPS
         if column_amax:
+            num_warps = None
             max_tile, row_tiles = (
                 (FP32_MAX_TILE, FP32_ROW_TILES) if x.element_size() == 4 else (MAX_TILE, ROW_TILES)
             )
@@ -151,7 +155,7 @@ def cast_rows(
             ROW_TILES=row_tiles,
             COLUMN_AMAX=column_amax,
             ROUND_TO_BF16=round_to_bf16,
-            num_warps=max(4, min(16, block * tile_rows // 512)),
+            num_warps=num_warps or max(4, min(16, block * tile_rows // 512)),
         )
     return out, scales, None if amax_bits is None else amax_bits.view(torch.float32)
 
