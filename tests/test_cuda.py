@@ -28,21 +28,32 @@ def _linear(x, w):
     return F.linear(x, w)
 
 
+# A shared expert's tokens per micro-batch need not be a multiple of 16; its weight gradient
+# contracts over them, and torch's fp8 GEMMs need 16 (the casts add zero rows).
 @pytest.mark.parametrize(
-    "forward,shape,dtype",
+    "forward,shape,dtype,tokens",
     [
-        (_routed, (E, H, D), torch.bfloat16),
-        (_grouped_shared, (1, H, D), torch.bfloat16),
-        (_linear, (H, D), torch.bfloat16),
-        (_linear, (H, D), torch.float32),  # a FeedForward without FSDP mixed precision
+        (_routed, (E, H, D), torch.bfloat16, M),
+        (_grouped_shared, (1, H, D), torch.bfloat16, M),
+        (_grouped_shared, (1, H, D), torch.bfloat16, M - 7),
+        (_linear, (H, D), torch.bfloat16, M),
+        (_linear, (H, D), torch.bfloat16, M - 7),
+        (_linear, (H, D), torch.float32, M),  # a FeedForward without FSDP mixed precision
     ],
-    ids=["routed", "grouped_shared", "linear", "linear_fp32"],
+    ids=[
+        "routed",
+        "grouped_shared",
+        "grouped_shared_odd_tokens",
+        "linear",
+        "linear_odd_tokens",
+        "linear_fp32",
+    ],
 )
-def test_cuda_kernels_match_emulation(forward, shape, dtype):
+def test_cuda_kernels_match_emulation(forward, shape, dtype, tokens):
     torch.manual_seed(0)
     w = torch.randn(shape, device="cuda", dtype=dtype) * 0.02
-    x = torch.randn(M, D, device="cuda", dtype=dtype)
-    grad = torch.randn(M, H, device="cuda", dtype=dtype)
+    x = torch.randn(tokens, D, device="cuda", dtype=dtype)
+    grad = torch.randn(tokens, H, device="cuda", dtype=dtype)
     results = []
     for emulate in (True, False):
         weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(emulate=emulate)))
@@ -221,7 +232,7 @@ def test_per_group_kernel_matches_the_torch_rules_for_every_token_count():
             got = triton_quantize.per_group_pair(a, grad_i, offs)
             want = torch_quantize.per_group_pair(a, grad_i, offs)
             for data, ref in ((got[0], want[0]), (got[2], want[2])):
-                assert data.stride() == (1, tokens)
+                assert data.stride() == (1, -(-tokens // 16) * 16), "rows to a multiple of 16"
                 assert torch.equal(data[:rows].float(), ref[:rows].float()), tokens
                 assert not data[rows:].float().any(), "rows of no group are zeros"
             assert torch.equal(got[1], want[1]) and torch.equal(got[3], want[3]), tokens

@@ -29,7 +29,10 @@ CASES = [
 
 def _check_per_group_colwise() -> None:
     from torchtitan_fp8_moe.fp8 import gemm, torch_quantize
-    from torchtitan_fp8_moe.fp8.kernels.triton_per_group import cast_per_group_colwise_pair
+    from torchtitan_fp8_moe.fp8.kernels.triton_per_group import (
+        cast_per_group_colwise_pair,
+        output_rows,
+    )
     from torchtitan_fp8_moe.fp8.quantize import FP8_MAX
 
     def want(x, groups, num_groups):
@@ -55,18 +58,15 @@ def _check_per_group_colwise() -> None:
         # Whole groups, chunks of one tile (most span groups or split one), of two, the default.
         for chunk_rows in (0, 256, 512, None):
             out = cast_per_group_colwise_pair(x, grad, offs, torch.float32, chunk_rows)
+            case = (tokens, cols, ends, chunk_rows)
             for values, scales, source in ((out[0], out[1], x), (out[2], out[3], grad)):
                 want_values, want_scales = want(source, groups, offs.numel())
-                assert torch.equal(scales, want_scales), (tokens, cols, ends, chunk_rows)
-                assert torch.equal(values[: ends[-1]], want_values[: ends[-1]]), (
-                    tokens,
-                    cols,
-                    ends,
-                    chunk_rows,
-                )
+                assert torch.equal(scales, want_scales), case
+                assert torch.equal(values[: ends[-1]], want_values[: ends[-1]]), case
                 # Rows of no group are zeros (a one-group weight gradient is a GEMM over all).
                 assert torch.equal(values[ends[-1] :], torch.zeros_like(values[ends[-1] :]))
-                assert values.stride() == (1, tokens), "column-major, as the wgrad GEMM reads it"
+                # Column-major, as the wgrad GEMM reads it, rows a multiple of 16 (zeros).
+                assert values.stride() == (1, output_rows(tokens)), case
     torch.empty = empty
     # A NaN stays NaN, and only where it was, whichever chunk holds it.
     x = torch.ones(600, 8, dtype=torch.bfloat16)
@@ -221,7 +221,8 @@ def test_kernels_are_custom_ops_only_where_needed():
         fake_grad = mode.from_tensor(torch.randn(6, 24))
         fake_offs = mode.from_tensor(offs)
         pair = triton_per_group.per_group_colwise_fp8_pair(fake_a, fake_grad, fake_offs)
-    assert [tuple(t.shape) for t in pair] == [(6, 40), (2, 40), (6, 24), (2, 24)]
+    # Rows: the 6 tokens and zeros to a multiple of 16.
+    assert [tuple(t.shape) for t in pair] == [(16, 40), (2, 40), (16, 24), (2, 24)]
 
     a, b_plain = torch.randn(6, 40), torch.randn(2, 40, 24)
     with torch.profiler.profile() as profile:

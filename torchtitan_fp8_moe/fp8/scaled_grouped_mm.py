@@ -139,6 +139,16 @@ def fp8_batched_mm(
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8."""
     groups, tokens, _ = a.shape
+    alignment = recipe.token_group_alignment(emulate)
+    if groups > 1 and alignment and tokens % alignment:
+        # Else a device-side assert in the weight gradient's GEMM, which contracts over each
+        # batch entry's rows.
+        raise ValueError(
+            f"float8_moe: torch._grouped_mm of {list(a.shape)} x {list(b.shape)} (3D x 3D): on "
+            f"CUDA the {recipe.name} fp8 weight gradient needs each batch entry's {tokens} rows "
+            f"to be a multiple of {alignment}; pad them, or leave this weight out of "
+            "float8_moe.fqns"
+        )
     offs = torch.arange(1, groups + 1, device=a.device, dtype=torch.int32) * tokens
     _made_on_host(offs, range(tokens, (groups + 1) * tokens, tokens), recipe, emulate)
     out = fp8_grouped_mm(a.reshape(groups * tokens, -1), b, offs, recipe, emulate, cached)

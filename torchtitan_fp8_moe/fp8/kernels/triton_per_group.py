@@ -43,6 +43,8 @@ BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 128, 64, 4
 TARGET_PROGRAMS = 1024
 # Group ends read per step when finding a row's group.
 BLOCK_GROUPS = 128
+# The outputs' rows are a multiple of this (``output_rows``).
+ROW_MULTIPLE = 16
 
 
 @triton.jit
@@ -102,21 +104,21 @@ def _cast_rows(
     cols,
     col_mask,
     scale,
-    n_rows,
+    out_rows,
     n_cols,
     FP8_LIMIT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
     """Rows ``[start, end)`` of ``cols`` scaled, saturated and cast, and zeros for rows
     ``[end, written_end)`` (unread: 0 times a finite scale), written column-major (element
-    (r, c) at c * n_rows + r)."""
+    (r, c) at c * out_rows + r)."""
     for first in range(start, written_end, BLOCK_ROWS):
         rows = first + tl.arange(0, BLOCK_ROWS)
         read = (rows < end)[:, None] & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=read, other=0.0)
         y = saturate(x.to(tl.float32) * scale[None, :], FP8_LIMIT)
         tl.store(
-            out_ptr + cols[None, :] * n_rows + rows[:, None],
+            out_ptr + cols[None, :] * out_rows + rows[:, None],
             y.to(out_ptr.dtype.element_ty),
             mask=(rows < written_end)[:, None] & col_mask[None, :],
         )
@@ -162,7 +164,7 @@ def _chunk_cast(
     offs_ptr,
     col_block,
     chunk,
-    n_rows,
+    out_rows,
     n_cols,
     groups,
     chunk_rows,
@@ -182,15 +184,15 @@ def _chunk_cast(
         amax_bits = tl.load(amax_bits_ptr + group * n_cols + cols, mask=col_mask, other=0)
         scale = pow2_scale(amax_bits.to(tl.float32, bitcast=True), FP8_LIMIT, AMAX_FLOOR)
         _cast_rows(
-            x_ptr, out_ptr, start, end, end, cols, col_mask, scale, n_rows, n_cols, FP8_LIMIT,
+            x_ptr, out_ptr, start, end, end, cols, col_mask, scale, out_rows, n_cols, FP8_LIMIT,
             BLOCK_ROWS,
         )  # fmt: skip
     if chunk == 0:
         # Zeros in the rows past the last group (none of them is read; any finite scale).
         last_end = tl.load(offs_ptr + groups - 1).to(tl.int64)
         _cast_rows(
-            x_ptr, out_ptr, last_end, last_end, n_rows, cols, col_mask, col_mask.to(tl.float32),
-            n_rows, n_cols, FP8_LIMIT, BLOCK_ROWS,
+            x_ptr, out_ptr, last_end, last_end, out_rows, cols, col_mask, col_mask.to(tl.float32),
+            out_rows, n_cols, FP8_LIMIT, BLOCK_ROWS,
         )  # fmt: skip
         # Every group's scales, empty groups' too (from amax 0), written once per column block.
         for first in range(0, groups, BLOCK_GROUPS):
@@ -211,7 +213,7 @@ def _whole_group(
     col_block,
     group,
     groups,
-    n_rows,
+    out_rows,
     n_cols,
     FP8_LIMIT: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
@@ -224,12 +226,12 @@ def _whole_group(
     start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
     end = tl.load(offs_ptr + group).to(tl.int64)
     # The last group's program also writes the zeros of the rows past it.
-    written_end = tl.where(group == groups - 1, n_rows, end)
+    written_end = tl.where(group == groups - 1, out_rows, end)
     amax = _column_amax(x_ptr, start, end, cols, col_mask, n_cols, BLOCK_ROWS, BLOCK_COLS)
     scale = pow2_scale(amax, FP8_LIMIT, AMAX_FLOOR)
     tl.store(scale_ptr + group * n_cols + cols, scale, mask=col_mask)
     _cast_rows(
-        x_ptr, out_ptr, start, end, written_end, cols, col_mask, scale, n_rows, n_cols,
+        x_ptr, out_ptr, start, end, written_end, cols, col_mask, scale, out_rows, n_cols,
         FP8_LIMIT, BLOCK_ROWS,
     )  # fmt: skip
 
@@ -243,7 +245,7 @@ def _per_group_whole_kernel(
     a_scale_ptr,
     grad_scale_ptr,
     offs_ptr,
-    n_rows,
+    out_rows,
     a_cols,
     grad_cols,
     a_col_blocks,
@@ -257,13 +259,13 @@ def _per_group_whole_kernel(
     col_block, group = tl.program_id(0), tl.program_id(1)
     if col_block < a_col_blocks:
         _whole_group(
-            a_ptr, a_out_ptr, a_scale_ptr, offs_ptr, col_block, group, groups, n_rows, a_cols,
+            a_ptr, a_out_ptr, a_scale_ptr, offs_ptr, col_block, group, groups, out_rows, a_cols,
             FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
         )  # fmt: skip
     else:
         _whole_group(
             grad_ptr, grad_out_ptr, grad_scale_ptr, offs_ptr, col_block - a_col_blocks, group,
-            groups, n_rows, grad_cols, FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
+            groups, out_rows, grad_cols, FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
         )  # fmt: skip
 
 
@@ -308,7 +310,7 @@ def _per_group_cast_kernel(
     a_scale_ptr,
     grad_scale_ptr,
     offs_ptr,
-    n_rows,
+    out_rows,
     a_cols,
     grad_cols,
     a_col_blocks,
@@ -323,14 +325,14 @@ def _per_group_cast_kernel(
     col_block, chunk = tl.program_id(0), tl.program_id(1)
     if col_block < a_col_blocks:
         _chunk_cast(
-            a_ptr, a_out_ptr, a_amax_ptr, a_scale_ptr, offs_ptr, col_block, chunk, n_rows,
+            a_ptr, a_out_ptr, a_amax_ptr, a_scale_ptr, offs_ptr, col_block, chunk, out_rows,
             a_cols, groups, chunk_rows, FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
             BLOCK_GROUPS,
         )  # fmt: skip
     else:
         _chunk_cast(
             grad_ptr, grad_out_ptr, grad_amax_ptr, grad_scale_ptr, offs_ptr,
-            col_block - a_col_blocks, chunk, n_rows, grad_cols, groups, chunk_rows, FP8_LIMIT,
+            col_block - a_col_blocks, chunk, out_rows, grad_cols, groups, chunk_rows, FP8_LIMIT,
             AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS, BLOCK_GROUPS,
         )  # fmt: skip
 
@@ -345,6 +347,14 @@ def chunk_rows_for(n_rows: int, groups: int, col_blocks: int) -> int:
     return torch.sym_max(BLOCK_ROWS, triton.cdiv(rows, BLOCK_ROWS) * BLOCK_ROWS)
 
 
+def output_rows(n_rows: int) -> int:
+    """Rows of the cast outputs: ``n_rows`` rounded up to a multiple of 16 (zeros after the
+    tokens). The weight gradient contracts over them, and torch's fp8 GEMMs need that dim a
+    multiple of 16 (``_scaled_mm``: "Expected trailing dimension of mat1 to be divisible by
+    16"): a shared expert's tokens per micro-batch need not be."""
+    return -(-n_rows // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
 def cast_per_group_colwise_pair(
     a: torch.Tensor,
     grad: torch.Tensor,
@@ -352,9 +362,10 @@ def cast_per_group_colwise_pair(
     out_dtype: torch.dtype = FP8_DTYPE,
     chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``a [M, K]`` and ``grad [M, N]`` -> ``(a_out [M, K], a_scales [G, K], grad_out [M, N],
+    """``a [M, K]`` and ``grad [M, N]`` -> ``(a_out [R, K], a_scales [G, K], grad_out [R, N],
     grad_scales [G, N])``: data column-major, fp32 scales one per (group, column) over the
-    group's rows (groups end at ``offs``). ``out_dtype`` other than fp8 keeps the scaled,
+    group's rows (groups end at ``offs``); rows past the last group are zeros, to R
+    (``output_rows``). ``out_dtype`` other than fp8 keeps the scaled,
     saturated values uncast (how the tests check the kernels' logic in Triton's CPU interpreter,
     which does not round to fp8 as the GPU does); ``chunk_rows`` overrides ``chunk_rows_for``
     (tests take both paths, and make chunks span groups, with it)."""
@@ -362,8 +373,9 @@ def cast_per_group_colwise_pair(
     n_rows, a_cols = a.shape
     grad_cols = grad.shape[1]
     groups = offs.numel()
-    a_out = torch.empty((a_cols, n_rows), dtype=out_dtype, device=a.device).t()
-    grad_out = torch.empty((grad_cols, n_rows), dtype=out_dtype, device=a.device).t()
+    out_rows = output_rows(n_rows)
+    a_out = torch.empty((a_cols, out_rows), dtype=out_dtype, device=a.device).t()
+    grad_out = torch.empty((grad_cols, out_rows), dtype=out_dtype, device=a.device).t()
     a_scales = torch.empty((groups, a_cols), dtype=torch.float32, device=a.device)
     grad_scales = torch.empty((groups, grad_cols), dtype=torch.float32, device=a.device)
     a_col_blocks = triton.cdiv(a_cols, BLOCK_COLS)
@@ -376,7 +388,7 @@ def cast_per_group_colwise_pair(
     tile = dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
     if chunk_rows == 0:
         launcher(_per_group_whole_kernel, a)[(col_blocks, groups)](
-            a, grad, a_out, grad_out, a_scales, grad_scales, offs, n_rows, a_cols, grad_cols,
+            a, grad, a_out, grad_out, a_scales, grad_scales, offs, out_rows, a_cols, grad_cols,
             a_col_blocks, groups, **limits, **tile,
         )  # fmt: skip
         return a_out, a_scales, grad_out, grad_scales
@@ -393,7 +405,7 @@ def cast_per_group_colwise_pair(
         num_warps=NUM_WARPS, BLOCK_GROUPS=BLOCK_GROUPS, **tile,
     )  # fmt: skip
     launcher(_per_group_cast_kernel, a)[grid](
-        a, grad, a_out, grad_out, a_amax, grad_amax, a_scales, grad_scales, offs, n_rows,
+        a, grad, a_out, grad_out, a_amax, grad_amax, a_scales, grad_scales, offs, out_rows,
         a_cols, grad_cols, a_col_blocks, groups, chunk_rows, BLOCK_GROUPS=BLOCK_GROUPS,
         **limits, **tile,
     )  # fmt: skip
