@@ -112,7 +112,9 @@ def _check_fp8_all_gather() -> None:
     from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
     cuda_path_on_cpu.install()
-    for experts, world in ((4, 2), (3, 2), (1, 2)):
+    # Even, uneven, the seed's one expert, ranks holding only padding (1 expert over 3 ranks, 3
+    # over 4, 5 over 8).
+    for experts, world in ((4, 2), (3, 2), (1, 2), (1, 3), (3, 4), (5, 8)):
         torch.manual_seed(0)
         w = (torch.randn(experts, H, D) * 0.02).bfloat16()
         group = M // experts // 16 * 16
@@ -135,7 +137,8 @@ def _check_fp8_all_gather() -> None:
 
 def test_fp8_all_gather_on_the_cuda_path_equals_the_unsharded_weight():
     """``fp8_all_gather``'s hooks with the CUDA quantizers, FSDP2's all-gather done by hand: even
-    and uneven shards and the seed's one-expert weight give the plain weight's bits."""
+    and uneven shards, the seed's one-expert weight and ranks that hold only padding give the
+    plain weight's bits."""
     run_interpreted("test_cuda_path_interpreted", "_check_fp8_all_gather")
 
 
