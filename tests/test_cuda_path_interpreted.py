@@ -156,9 +156,15 @@ def _check_moe_layers() -> None:
     cpu.enable_moe_ops()
     # What convert() sets where CUDA is present: token groups padded to 16 rows.
     set_token_group_alignment_size_m(16)
-    # (routed experts, top k, shared experts): top 2 with a shared expert, one local expert
-    # (torchtitan pads its tokens past the group), 8 experts top 1 (some get no token).
-    for experts, top_k, shared in ((4, 2, 1), (1, 1, 0), (8, 1, 1)):
+    # (routed experts, top k, shared experts, fp8 weight cache): top 2 with a shared expert,
+    # one local expert (torchtitan pads its tokens past the group), 8 experts top 1 (some get no
+    # token), the weight cache over two micro-batches (gradient accumulation).
+    for experts, top_k, shared, cache in (
+        (4, 2, 1, False),
+        (1, 1, 0, False),
+        (8, 1, 1, False),
+        (4, 2, 1, True),
+    ):
         args = MoEArgs(num_experts=experts, num_shared_experts=shared, top_k=top_k)
         torch.manual_seed(0)
         default_dtype = torch.get_default_dtype()
@@ -167,25 +173,28 @@ def _check_moe_layers() -> None:
         torch.set_default_dtype(default_dtype)
         with torch.no_grad():
             base.init_weights(0.02, torch.device("cpu"))
-        x = torch.randn(2, 60, D, dtype=torch.bfloat16)
+        micro_batches = [torch.randn(2, 60, D, dtype=torch.bfloat16) for _ in range(1 + cache)]
         results = []
         for emulate in (True, False):
             layer = copy.deepcopy(base)
-            torchtitan_fp8_moe.convert(layer, emulate=emulate, policy="always")
-            xi = x.clone().requires_grad_()
-            out = layer(xi)
-            out.float().square().sum().backward()
+            torchtitan_fp8_moe.convert(
+                layer, emulate=emulate, policy="always", cache_fp8_weights=cache
+            )
+            for x in micro_batches:
+                xi = x.clone().requires_grad_()
+                out = layer(xi)
+                out.float().square().sum().backward()
             grads = {name: p.grad for name, p in layer.named_parameters() if p.grad is not None}
             results.append({"out": out, "x.grad": xi.grad, **grads})
         emulated, cuda_path = results
         assert emulated.keys() == cuda_path.keys()
         for what, want in emulated.items():
-            case = f"{experts} experts, top {top_k}, {shared} shared: {what}"
+            case = f"{experts} experts, top {top_k}, {shared} shared, cache {cache}: {what}"
             _assert_equal_up_to_summation_order(cuda_path[what], want, case)
 
 
 def test_torchtitan_moe_layers_on_the_cuda_path_equal_the_emulated_path():
     """torchtitan's MoE layer converted with the CUDA path and emulated: output, input gradient
     and every parameter's gradient, with a shared expert, with one local expert, with experts
-    that get no token."""
+    that get no token, with the fp8 weight cache over two micro-batches."""
     run_interpreted("test_cuda_path_interpreted", "_check_moe_layers")
