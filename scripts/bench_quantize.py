@@ -282,13 +282,13 @@ ROWS_SWEEP = [(1, 1, None), (1, 1, 8), (1, 1, 4), (2, 1, 16), (2, 1, 8), (1, 4, 
 ROWS_SWEEP += [(2, 4, 16), (2, 8, 16), (4, 4, 16), (1, 8, 8), (2, 2, 8)]
 
 
-def rows_sweep(tokens: int) -> list[dict]:
+def rows_sweep(tokens: int, widths: list[int]) -> list[dict]:
     """The row cast of bf16 activations and gradients (the forward's input, the input
-    gradient's output gradient) at other tile shapes, Scout's two row lengths; each shape's
-    output checked equal to the shipped one's."""
+    gradient's output gradient) at other tile shapes and row lengths; each shape's output
+    checked equal to the shipped one's."""
     rows = []
     shipped = (rowwise.ROWS_TILE_ROWS, rowwise.ROWS_ROW_TILES, rowwise.ROWS_WARPS)
-    for width in (DIM, HIDDEN):
+    for width in widths:
         x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
         want = rowwise.rowwise_fp8(x)
         for config in ROWS_SWEEP:
@@ -394,10 +394,15 @@ def main() -> None:
     parser.add_argument(
         "--rows-sweep", action="store_true", help="only the row cast of activations, at other tiles"
     )
+    parser.add_argument(
+        "--rows-widths",
+        default=f"{DIM},{HIDDEN}",
+        help="--rows-sweep's row lengths (Scout's: dim, hidden)",
+    )
     parser.add_argument("--out", default="outputs/benchmarks/h200_quantize.json")
     args = parser.parse_args()
     if args.rows_sweep:
-        rows = rows_sweep(args.sweep_tokens)
+        rows = rows_sweep(args.sweep_tokens, [int(w) for w in args.rows_widths.split(",")])
     elif args.lazy_cast:
         rows = lazy_cast_casts(args.lazy_cast) + (lazy_cast_sweep() if args.sweep else [])
     else:
