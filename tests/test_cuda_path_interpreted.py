@@ -90,11 +90,18 @@ def _check_call_forms() -> None:
             if what != "w.grad":
                 got, want = got[:kept], want[:kept]
             _assert_equal_up_to_summation_order(got, want, f"{name} {what}")
-    # Batch entries of other than a multiple of 16 rows: a clear error, not a device assert.
-    weight = Float8MoEWeight(torch.randn(2, H, D, dtype=torch.bfloat16), WeightConfig())
+    # Batch entries of other than a multiple of 16 rows: a clear error where the weight gets a
+    # gradient (not a device assert); without one the forward runs.
+    w = torch.randn(2, H, D, dtype=torch.bfloat16) * 0.02
+    weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig()))
     x = torch.randn(2, 40, D, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="each batch entry's 40 rows to be a multiple of 16"):
         torch._grouped_mm(x, weight.transpose(-2, -1))
+    with torch.no_grad():
+        out = torch._grouped_mm(x, weight.transpose(-2, -1))
+        emulated = Float8MoEWeight(w.clone(), WeightConfig(emulate=True))
+        want = torch._grouped_mm(x, emulated.transpose(-2, -1))
+    _assert_equal_up_to_summation_order(out, want, "batched, no gradient")
 
 
 def test_call_forms_on_the_cuda_path_equal_the_emulated_path():

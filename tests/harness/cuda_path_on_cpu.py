@@ -29,6 +29,8 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtyp
     assert out_dtype == torch.bfloat16, out_dtype
     assert a.stride(-1) == 1, f"a must be row-major, strides {a.stride()}"
     assert b.stride(-2) == 1, f"b must be column-major, strides {b.stride()}"
+    # Leading dims of 16 bytes (one byte an element).
+    assert a.stride(-2) % ALIGNMENT == 0 and b.stride(-1) % ALIGNMENT == 0, (a.stride(), b.stride())
     assert a.shape[-1] % ALIGNMENT == 0 and b.shape[-1] % ALIGNMENT == 0, (a.shape, b.shape)
 
 

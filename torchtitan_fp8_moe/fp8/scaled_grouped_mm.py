@@ -140,9 +140,10 @@ def fp8_batched_mm(
     """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8."""
     groups, tokens, _ = a.shape
     alignment = recipe.token_group_alignment(emulate)
-    if groups > 1 and alignment and tokens % alignment:
-        # Else a device-side assert in the weight gradient's GEMM, which contracts over each
-        # batch entry's rows.
+    weight_gradient = torch.is_grad_enabled() and b.requires_grad
+    if weight_gradient and groups > 1 and alignment and tokens % alignment:
+        # The weight gradient contracts over each batch entry's rows: else a device-side assert
+        # in its GEMM (rowwise), or 128-row blocks that span two entries (blockwise).
         raise ValueError(
             f"float8_moe: torch._grouped_mm of {list(a.shape)} x {list(b.shape)} (3D x 3D): on "
             f"CUDA the {recipe.name} fp8 weight gradient needs each batch entry's {tokens} rows "
