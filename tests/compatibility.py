@@ -275,11 +275,29 @@ ROWS = [
     ),
     (
         "Token counts not a multiple of 16 on CUDA",
-        GPU_ONLY,
-        "the converter sets torchtitan's token-group alignment to 16 (128 for `recipe = "
+        "works (CUDA path on CPU, in CI); GPU test written, not yet run",
+        "routed: the converter sets torchtitan's token-group alignment to 16 (128 for `recipe = "
         '"blockwise"`, so that no 128-token block of the weight gradient straddles two groups), '
-        "so torchtitan pads the routed groups; not exercised apart from the runs above",
-        [],
+        "so torchtitan pads the routed groups; shared experts: the weight-gradient casts add "
+        "zero rows to a multiple of 16 (torch's `_scaled_mm` rule; they failed at the first "
+        "backward before); 3D x 3D batches of several entries of such counts: refused with the "
+        "rule where the weight gets a gradient",
+        [
+            "test_cuda_path_interpreted.py::test_call_forms_on_the_cuda_path_equal_the_emulated_path",
+            "test_cuda.py::test_cuda_kernels_match_emulation",
+        ],
+    ),
+    (
+        "The CUDA code path (our kernels, the fp8 GEMMs' layouts and group ends, padding rows, "
+        "the fp8 all-gather's CUDA quantizers, torchtitan's MoE layer)",
+        "works, checked on CPU in CI",
+        "kernels in Triton's interpreter with the GPU's fp8 rounding, torch's fp8 GEMMs as CUDA "
+        "defines them, poisoned `torch.empty`: equal to the emulated path",
+        [
+            "test_cuda_path_interpreted.py::test_call_forms_on_the_cuda_path_equal_the_emulated_path",
+            "test_cuda_path_interpreted.py::test_fp8_all_gather_on_the_cuda_path_equals_the_unsharded_weight",
+            "test_cuda_path_interpreted.py::test_torchtitan_moe_layers_on_the_cuda_path_equal_the_emulated_path",
+        ],
     ),
     (
         '`recipe = "rowwise"` (the default) through the recipe seam (`fp8/recipes/`)',
