@@ -158,25 +158,28 @@ def _check_moe_layers() -> None:
 
     import torchtitan_fp8_moe
     from torchtitan_fp8_moe import cpu
+    from torchtitan_fp8_moe.models.grouped_shared import GroupedSharedMoE
 
     cuda_path_on_cpu.install()
     cpu.enable_moe_ops()
     # What convert() sets where CUDA is present: token groups padded to 16 rows.
     set_token_group_alignment_size_m(16)
-    # (routed experts, top k, shared experts, fp8 weight cache): top 2 with a shared expert,
-    # one local expert (torchtitan pads its tokens past the group), 8 experts top 1 (some get no
-    # token), the weight cache over two micro-batches (gradient accumulation).
-    for experts, top_k, shared, cache in (
-        (4, 2, 1, False),
-        (1, 1, 0, False),
-        (8, 1, 1, False),
-        (4, 2, 1, True),
+    # (routed experts, top k, shared experts, fp8 weight cache, module): top 2 with a shared
+    # expert, one local expert (torchtitan pads its tokens past the group), 8 experts top 1
+    # (some get no token), the weight cache over two micro-batches (gradient accumulation), the
+    # seed's layout (the shared expert a grouped [1, hidden, dim] module).
+    for experts, top_k, shared, cache, module in (
+        (4, 2, 1, False, MoE),
+        (1, 1, 0, False, MoE),
+        (8, 1, 1, False, MoE),
+        (4, 2, 1, True, MoE),
+        (4, 1, 1, False, GroupedSharedMoE),
     ):
         args = MoEArgs(num_experts=experts, num_shared_experts=shared, top_k=top_k)
         torch.manual_seed(0)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
-        base = MoE(args, dim=D, hidden_dim=H)
+        base = module(args, dim=D, hidden_dim=H)
         torch.set_default_dtype(default_dtype)
         with torch.no_grad():
             base.init_weights(0.02, torch.device("cpu"))
@@ -196,12 +199,14 @@ def _check_moe_layers() -> None:
         emulated, cuda_path = results
         assert emulated.keys() == cuda_path.keys()
         for what, want in emulated.items():
-            case = f"{experts} experts, top {top_k}, {shared} shared, cache {cache}: {what}"
+            case = f"{module.__name__}, {experts} experts, top {top_k}, {shared} shared, "
+            case += f"cache {cache}: {what}"
             _assert_equal_up_to_summation_order(cuda_path[what], want, case)
 
 
 def test_torchtitan_moe_layers_on_the_cuda_path_equal_the_emulated_path():
     """torchtitan's MoE layer converted with the CUDA path and emulated: output, input gradient
     and every parameter's gradient, with a shared expert, with one local expert, with experts
-    that get no token, with the fp8 weight cache over two micro-batches."""
+    that get no token, with the fp8 weight cache over two micro-batches, and in the seed's
+    layout (a grouped [1, hidden, dim] shared expert)."""
     run_interpreted("test_cuda_path_interpreted", "_check_moe_layers")
