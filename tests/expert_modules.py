@@ -11,7 +11,7 @@ from torchtitan.models.moe.moe import (
 
 from torchtitan_fp8_moe.models.grouped_shared import GroupedSharedExpert
 from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
-from torchtitan_fp8_moe.weight import WeightConfig
+from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
 DIM, HIDDEN, TOKENS = 32, 64, 48
 # "tiny_routed": every dimension of the weight below the largest world size (8).
@@ -63,6 +63,19 @@ def convert_to_float8_moe(
     for _, expert in expert_modules(module):
         swap_expert_weights(expert, config)
     return module
+
+
+def emulated_and_cuda_path(forward, w: torch.Tensor, x: torch.Tensor, grad: torch.Tensor):
+    """``[(out, x.grad, weight.grad) emulated, the same on the CUDA path]`` of ``forward(x,
+    weight)`` with ``w`` converted, the output's gradient ``grad``."""
+    results = []
+    for emulate in (True, False):
+        weight = nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(emulate=emulate)))
+        xi = x.clone().requires_grad_()
+        out = forward(xi, weight)
+        out.backward(grad)
+        results.append((out, xi.grad, weight.grad))
+    return results
 
 
 def tokens_per_expert(num_experts: int, tokens: int = TOKENS) -> torch.Tensor:

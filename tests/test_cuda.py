@@ -4,7 +4,7 @@ to fp32 accumulation order. Runs only on CUDA devices with fp8 (sm89+); skipped 
 import pytest
 import torch
 import torch.nn.functional as F
-from expert_modules import gathered_by_hand
+from expert_modules import emulated_and_cuda_path, gathered_by_hand
 
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig, fp8_kernels_available
@@ -54,13 +54,7 @@ def test_cuda_kernels_match_emulation(forward, shape, dtype, tokens):
     w = torch.randn(shape, device="cuda", dtype=dtype) * 0.02
     x = torch.randn(tokens, D, device="cuda", dtype=dtype)
     grad = torch.randn(tokens, H, device="cuda", dtype=dtype)
-    results = []
-    for emulate in (True, False):
-        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(emulate=emulate)))
-        xi = x.clone().requires_grad_()
-        out = forward(xi, weight)
-        out.backward(grad)
-        results.append((out, xi.grad, weight.grad))
+    results = emulated_and_cuda_path(forward, w, x, grad)
     for emulated, cuda in zip(*results, strict=True):
         assert cuda.dtype == emulated.dtype == dtype
         assert sqnr(emulated, cuda) > 35

@@ -24,21 +24,8 @@ def _assert_equal_up_to_summation_order(cuda_path, emulated, what) -> None:
     torch.testing.assert_close(cuda_path.float(), emulated.float(), rtol=1e-2, atol=1e-6, msg=what)
 
 
-def _run_both(forward, w, x, grad):
-    """(out, x.grad, weight.grad) of ``forward`` emulated, then on the CUDA path."""
-    from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
-
-    results = []
-    for emulate in (True, False):
-        weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(emulate=emulate)))
-        xi = x.clone().requires_grad_()
-        out = forward(xi, weight)
-        out.backward(grad)
-        results.append((out, xi.grad, weight.grad))
-    return results
-
-
 def _check_call_forms() -> None:
+    from expert_modules import emulated_and_cuda_path
     from harness import cuda_path_on_cpu
 
     from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
@@ -83,7 +70,7 @@ def _check_call_forms() -> None:
         grad = torch.randn(tokens, H, dtype=x_dtype)
         if name == "one_local_expert":
             x[M - 32 :] = 0
-        emulated, cuda_path = _run_both(forward, w, x, grad)
+        emulated, cuda_path = emulated_and_cuda_path(forward, w, x, grad)
         rows = {"routed": ENDS[-1], "routed_lazy_cast": ENDS[-1], "one_local_expert": M - 32}
         kept = rows.get(name, tokens)  # rows of no group: the GEMM's unwritten memory in both
         for what, got, want in zip(("out", "x.grad", "w.grad"), cuda_path, emulated, strict=True):
