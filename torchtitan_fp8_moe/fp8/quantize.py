@@ -10,6 +10,9 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
+# torch's fp8 GEMMs (CUDA) need the dims they read 16 bytes at a time to be multiples of this:
+# both matrix dims of each rank's weight, and the dim a weight gradient contracts over.
+FP8_MATRIX_ALIGNMENT = 16
 # The smallest amax a scale is taken from: all-zero rows get a finite scale (and stay zero), and
 # every row whose amax is at least this (about 8e-31, far below any trained weight) keeps fp8's
 # full relative precision. (With torchao's 1e-12, rows of amax 1e-16 lost some values and rows

@@ -22,7 +22,7 @@ from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.tools.logging import logger
 
 from ..conversion import DEFAULT_FQNS, convert, select_expert_modules
-from ..fp8.recipes.rowwise import FP8_MATRIX_ALIGNMENT
+from ..fp8.quantize import FP8_MATRIX_ALIGNMENT
 from ..policy import POLICIES
 from ..run_checks import conversion_message
 from .run import Run

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..opaque import compile_triton, launcher
-from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MATRIX_ALIGNMENT, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
 # Tile of one step: BLOCK_ROWS tokens x BLOCK_COLS columns. At the Scout trainer's operands
@@ -43,8 +43,6 @@ BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 128, 64, 4
 TARGET_PROGRAMS = 1024
 # Group ends read per step when finding a row's group.
 BLOCK_GROUPS = 128
-# The outputs' rows are a multiple of this (``output_rows``).
-ROW_MULTIPLE = 16
 
 
 @triton.jit
@@ -352,7 +350,7 @@ def output_rows(n_rows: int) -> int:
     tokens). The weight gradient contracts over them, and torch's fp8 GEMMs need that dim a
     multiple of 16 (``_scaled_mm``: "Expected trailing dimension of mat1 to be divisible by
     16"): a shared expert's tokens per micro-batch need not be."""
-    return -(-n_rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    return -(-n_rows // FP8_MATRIX_ALIGNMENT) * FP8_MATRIX_ALIGNMENT
 
 
 def cast_per_group_colwise_pair(

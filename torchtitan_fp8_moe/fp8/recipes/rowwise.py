@@ -15,11 +15,8 @@ import torch
 
 from .. import torch_quantize
 from ..gemm import column_major, grouped_mm_fp32, grouped_wgrad_mm_fp32, per_token, token_groups
-from ..quantize import dequantize
+from ..quantize import FP8_MATRIX_ALIGNMENT, dequantize
 from . import Recipe
-
-# fp8 GEMMs need both matrix dims of each rank's weight to be multiples of this (CUDA).
-FP8_MATRIX_ALIGNMENT = 16
 
 
 class RowwiseRecipe(Recipe):
