@@ -28,6 +28,8 @@ CASES = [
 
 
 def _check_per_group_colwise() -> None:
+    from harness.cuda_path_on_cpu import poisoned
+
     from torchtitan_fp8_moe.fp8 import gemm, torch_quantize
     from torchtitan_fp8_moe.fp8.kernels.triton_per_group import (
         cast_per_group_colwise_pair,
@@ -41,13 +43,9 @@ def _check_per_group_colwise() -> None:
         )
         return (x.float() * gemm.per_token(scales, groups)).clamp(-FP8_MAX, FP8_MAX), scales
 
-    def poisoned_empty(*args, **kwargs):
-        # Memory the kernels do not write shows up as NaN.
-        tensor = empty(*args, **kwargs)
-        return tensor.fill_(math.nan) if tensor.is_floating_point() else tensor
-
     torch.manual_seed(0)
-    empty, torch.empty = torch.empty, poisoned_empty
+    # Memory the kernels do not write shows up as NaN.
+    empty, torch.empty = torch.empty, poisoned(torch.empty)
     for tokens, cols, ends in CASES:
         # Columns spanning 12 orders of magnitude, so the scales differ per column and group.
         x = (torch.randn(tokens, cols) * torch.logspace(-6, 6, cols)).bfloat16()

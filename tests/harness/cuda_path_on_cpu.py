@@ -100,8 +100,9 @@ def _install_fp8_rounding() -> None:
     interpreter._convert_float = to_fp8_like_the_gpu
 
 
-def _install_poisoned_empty() -> None:
-    empty = torch.empty
+def poisoned(empty):
+    """``empty`` (``torch.empty``) handing out poisoned memory: NaN, or a large integer, so
+    that an element nothing writes shows."""
 
     def poisoned_empty(*args, **kwargs):
         tensor = empty(*args, **kwargs)
@@ -113,7 +114,7 @@ def _install_poisoned_empty() -> None:
             tensor.fill_(-(2**30))
         return tensor
 
-    torch.empty = poisoned_empty
+    return poisoned_empty
 
 
 def install() -> None:
@@ -123,7 +124,7 @@ def install() -> None:
 
     assert triton.knobs.runtime.interpret, "run with TRITON_INTERPRET=1"
     _install_fp8_rounding()
-    _install_poisoned_empty()
+    torch.empty = poisoned(torch.empty)
     torch._scaled_mm = scaled_mm
     torch._scaled_grouped_mm = scaled_grouped_mm
     weight_base.fp8_kernels_available = lambda device: True
