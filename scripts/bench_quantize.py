@@ -4,6 +4,7 @@
         [--out outputs/benchmarks/h200_quantize.json]
     python scripts/bench_quantize.py --lazy-cast 5   # the lazy bf16 cast's weight casts
     python scripts/bench_quantize.py --rows-sweep    # the activation row cast's tile shapes
+    python scripts/bench_quantize.py --per-group-sweep  # the weight gradient's per-group casts
 
 For each token count M (16 experts, uneven token groups aligned to 16, Scout's 5120 x 8192):
 - the weight-gradient operands' per-group column-wise cast (``a [M, K]`` and ``grad [M, N]``,
@@ -42,15 +43,16 @@ from torchtitan_fp8_moe.fp8.kernels.triton_per_group import per_group_colwise_fp
 from torchtitan_fp8_moe.fp8.quantize import FP8_DTYPE
 
 EXPERTS, DIM, HIDDEN = 16, 5120, 8192
-# (BLOCK_ROWS, BLOCK_COLS, num_warps) tried by --sweep; the first is the shipped tile.
+# (BLOCK_ROWS, BLOCK_COLS, num_warps, cast pass descending) tried by --sweep; the first is the
+# shipped tile.
 TILES = [
-    (per_group.BLOCK_ROWS, per_group.BLOCK_COLS, per_group.NUM_WARPS),
-    (64, 64, 4),
-    (128, 32, 4),
-    (64, 32, 2),
-    (256, 64, 8),
-    (32, 128, 4),
-    (64, 128, 8),
+    (per_group.BLOCK_ROWS, per_group.BLOCK_COLS, per_group.NUM_WARPS, True),
+    (256, 64, 8, False),
+    (128, 64, 4, True),
+    (128, 64, 4, False),
+    (256, 32, 8, True),
+    (256, 32, 8, False),
+    (512, 64, 16, True),
 ]
 
 
@@ -96,27 +98,46 @@ def first_call_seconds(fn, tokens: int, in_dim: int, out_dim: int, seed: int) ->
 
 
 def sweep_tiles(tokens: int) -> list[dict]:
-    """Our per-group kernel's time for other fixed tiles (rows, cols, warps), balanced and
-    skewed routing: the evidence behind the tile ``triton_per_group.py`` ships."""
+    """Our per-group kernel's time for other fixed tiles (rows, cols, warps, order), balanced
+    and skewed routing, at Scout's routed w2 operands, a TP 8 shard's and the shared expert's
+    (one group: the chunked launches): the evidence behind
+    the tile ``triton_per_group.py`` ships. Every tile's output is checked equal to the first's."""
     rows = []
-    a = torch.randn(tokens, DIM, device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn(tokens, HIDDEN // 8, device="cuda", dtype=torch.bfloat16)
-    for skew in (0.0, 1.0, 2.0):
-        offs = group_ends(tokens, seed=1, skew=skew)
-        for tile in TILES:
-            per_group.BLOCK_ROWS, per_group.BLOCK_COLS, per_group.NUM_WARPS = tile
-            launch = partial(per_group.cast_per_group_colwise_pair, a, grad, offs)
-            rows.append(
-                {
-                    "kernel": "per_group tile {}x{} w{}".format(*tile),
-                    "case": f"skew {skew}",
-                    "tokens": tokens,
-                    "largest_group": int(torch.diff(offs, prepend=offs.new_zeros(1)).max()),
-                    "impl": "float8_moe",
-                    "ms": round(do_bench(launch, warmup=25, rep=100), 4),
-                }
-            )
-    per_group.BLOCK_ROWS, per_group.BLOCK_COLS, per_group.NUM_WARPS = TILES[0]
+    shipped = TILES[0]
+    cases = (("scout", EXPERTS, HIDDEN, DIM), ("tp8", EXPERTS, DIM, HIDDEN // 8))
+    for case, groups, a_cols, grad_cols in (*cases, ("shared", 1, DIM, HIDDEN)):
+        a = torch.randn(tokens, a_cols, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn(tokens, grad_cols, device="cuda", dtype=torch.bfloat16)
+        for skew in (0.0, 1.0) if groups > 1 else (0.0,):
+            offs = group_ends(tokens, seed=1, skew=skew, groups=groups)
+            want = None
+            for tile in TILES:
+                (
+                    per_group.BLOCK_ROWS,
+                    per_group.BLOCK_COLS,
+                    per_group.NUM_WARPS,
+                    per_group.WHOLE_GROUP_DESCENDING,
+                ) = tile
+                launch = partial(per_group.cast_per_group_colwise_pair, a, grad, offs)
+                got = [t.float() for t in launch()]
+                want = want or got
+                rows.append(
+                    {
+                        "kernel": "per_group tile {}x{} w{} desc {}".format(*tile),
+                        "case": f"{case} skew {skew}",
+                        "tokens": tokens,
+                        "largest_group": int(torch.diff(offs, prepend=offs.new_zeros(1)).max()),
+                        "impl": "float8_moe",
+                        "ms": round(do_bench(launch, warmup=25, rep=200), 4),
+                        "equal": all(torch.equal(g, w) for g, w in zip(got, want, strict=True)),
+                    }
+                )
+    (
+        per_group.BLOCK_ROWS,
+        per_group.BLOCK_COLS,
+        per_group.NUM_WARPS,
+        per_group.WHOLE_GROUP_DESCENDING,
+    ) = shipped
     return rows
 
 
@@ -395,6 +416,9 @@ def main() -> None:
         "--rows-sweep", action="store_true", help="only the row cast of activations, at other tiles"
     )
     parser.add_argument(
+        "--per-group-sweep", action="store_true", help="only the per-group cast, at other tiles"
+    )
+    parser.add_argument(
         "--rows-widths",
         default=f"{DIM},{HIDDEN}",
         help="--rows-sweep's row lengths (Scout's: dim, hidden)",
@@ -403,6 +427,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rows_sweep:
         rows = rows_sweep(args.sweep_tokens, [int(w) for w in args.rows_widths.split(",")])
+    elif args.per_group_sweep:
+        rows = sweep_tiles(args.sweep_tokens)
     elif args.lazy_cast:
         rows = lazy_cast_casts(args.lazy_cast) + (lazy_cast_sweep() if args.sweep else [])
     else:

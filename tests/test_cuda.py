@@ -385,7 +385,9 @@ def test_compiled_silu_gradients_are_stored_fewer_times():
     ``as_strided`` view (``fp8/opaque.py``), inductor stores the SiLU backward's two gradients
     fewer times than without it, where it copied each for every kernel that reads it (6 stores
     in the Scout trainer's kernel, docs/benchmarks/archive/2026-12-04-silu-single-store/).
-    Results equal eager's bit for bit either way."""
+    The results are the same bits either way, and near eager's: inductor fuses SiLU and the
+    product into one rounding to bf16 where eager rounds twice, so the fp8 casts of the product
+    may differ in a few elements."""
     import re
 
     from torch._inductor.utils import fresh_cache, run_and_get_code
@@ -427,9 +429,9 @@ def test_compiled_silu_gradients_are_stored_fewer_times():
         opaque._as_strided_self = as_strided_self
         torch._dynamo.reset()
     assert stores < stores_without, (stores, stores_without)
-    for values in (results, results_without):
-        for value, want in zip(values, expected, strict=True):
-            assert torch.equal(value, want)
+    for value, without, want in zip(results, results_without, expected, strict=True):
+        assert torch.equal(value, without)
+        assert sqnr(want, value) >= 30
 
 
 def test_a_shared_experts_backward_keeps_no_cast_after_it():

@@ -25,7 +25,9 @@ def _silu_backward_outputs(codes: list[str]) -> int:
     return sum(arg == "'at::BFloat16*'" for arg in kernels[0].strip("[]").split(", "))
 
 
-def _check_silu_gradients_stored_once() -> None:
+def _compiled_code_of_routed_experts():
+    """A function ``(dynamic) -> inductor's code`` for torchtitan's compiled routed experts,
+    forward and backward, with Triton's front end given a CUDA target and no kernel run."""
     import torch
     import torch._functorch.config as functorch_config
     import torch._inductor.async_compile as async_compile
@@ -36,7 +38,6 @@ def _check_silu_gradients_stored_once() -> None:
     from triton.backends.compiler import GPUTarget
 
     import torchtitan_fp8_moe.weight.base as weight_base
-    from torchtitan_fp8_moe.fp8 import opaque
     from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
     class CudaTarget:
@@ -62,7 +63,7 @@ def _check_silu_gradients_stored_once() -> None:
     async_compile.AsyncCompile.triton = lambda self, *args, **kwargs: NotRun()
     weight_base.fp8_kernels_available = lambda device: True  # the CUDA path's ops, on CPU
 
-    def compiled_code() -> list[str]:
+    def compiled_code(dynamic: bool = False) -> list[str]:
         codes.clear()
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -73,10 +74,18 @@ def _check_silu_gradients_stored_once() -> None:
         ]
         x = torch.randn(tokens, dim, dtype=torch.bfloat16, requires_grad=True)
         counts = torch.tensor([64, 0, 128, 64])
-        with pytest.raises(RuntimeError, match="not run"):
-            torch.compile(_run_experts_grouped_mm, fullgraph=True)(*params, x, counts)
+        compiled = torch.compile(_run_experts_grouped_mm, fullgraph=True, dynamic=dynamic)
+        with pytest.raises(RuntimeError, match="not run"):  # not an error of inductor's
+            compiled(*params, x, counts)
         return list(codes)
 
+    return compiled_code
+
+
+def _check_silu_gradients_stored_once() -> None:
+    from torchtitan_fp8_moe.fp8 import opaque
+
+    compiled_code = _compiled_code_of_routed_experts()
     stored_once = _silu_backward_outputs(compiled_code())
     as_strided_self = opaque._as_strided_self
     opaque._as_strided_self = lambda value: value  # without the as_strided reads
@@ -87,8 +96,40 @@ def _check_silu_gradients_stored_once() -> None:
     assert stored_per_reader > stored_once, stored_per_reader
 
 
+def _check_dynamic_shapes_lower() -> None:
+    import torch._higher_order_ops.triton_kernel_wrap as triton_kernel_wrap
+
+    compiled_code = _compiled_code_of_routed_experts()
+    # Each launch's written tensors by torch's analysis of the kernel, where inductor copies an
+    # input taken as written: torch 2.11 took the chunked cast kernel as writing the group
+    # ends, and under dynamic shapes its inductor failed on that copy (an AssertionError in
+    # ``decompose_triton_kernel_wrapper_functional``).
+    written = []
+    analysis = triton_kernel_wrap.get_mutated_tensors
+
+    def recorded(*args):
+        names = analysis(*args)
+        kernel = triton_kernel_wrap.kernel_side_table.get_kernel(args[0])
+        written.append((kernel.fn.__name__, names))
+        return names
+
+    triton_kernel_wrap.get_mutated_tensors = recorded
+    codes = compiled_code(dynamic=True)
+    assert len(codes) == 2, len(codes)  # forward and backward
+    assert {kernel for kernel, _ in written} >= {"_per_group_amax_kernel", "_per_group_cast_kernel"}
+    read_only = {"x_ptr", "a_ptr", "grad_ptr", "b_ptr", "offs_ptr"}
+    assert not [(kernel, names) for kernel, names in written if read_only & set(names)], written
+
+
 def test_silu_backward_stores_each_gradient_once():
     """Compiled, each SiLU-backward gradient is stored once for all our kernels that read it
     (``fp8/opaque.py``: our ops read their inputs through ``as_strided`` views while traced);
     without that, inductor stored one copy per reading kernel."""
     run_in_fresh_process("test_inductor_stores", "_check_silu_gradients_stored_once")
+
+
+def test_routed_experts_compile_with_dynamic_shapes():
+    """With symbolic shapes (``dynamic=True``; also dynamo's recompile when a traced function
+    meets another expert count), inductor lowers the routed experts' forward and backward, and
+    torch's analysis of our Triton kernels takes none of them as writing its inputs."""
+    run_in_fresh_process("test_inductor_stores", "_check_dynamic_shapes_lower")

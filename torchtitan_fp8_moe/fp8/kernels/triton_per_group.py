@@ -33,11 +33,14 @@ from ..opaque import compile_triton, launcher
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MATRIX_ALIGNMENT, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
-# Tile of one step: BLOCK_ROWS tokens x BLOCK_COLS columns. At the Scout trainer's operands
-# (32K tokens, 5120 + 8192 columns) on an H200 it is the fastest of ten tiles: one group (a
-# shared expert) 0.62 ms against 0.74 for the earlier 256 x 64 x 8 warps, 16 groups 0.57 against
-# 0.58 (docs/benchmarks/archive/2026-12-04-compiled-lazy-cast/).
-BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 128, 64, 4
+# Tile of one step: BLOCK_ROWS tokens x BLOCK_COLS columns, and the warps of a program. At
+# Scout's routed w2 operands (32K tokens in 16 groups, 8192 + 5120 columns) on an H200 it is
+# the fastest of nine tiles: 0.60 / 0.56 ms (balanced / skewed routing) against 0.67 / 0.70 for
+# the earlier 128 x 64 x 4 warps; a TP 8 shard's (5120 + 1024) 0.28 / 0.31 against 0.31 / 0.44
+# (`scripts/bench_quantize.py --per-group-sweep`, docs/benchmarks/archive/2026-12-05-cast-tiles/).
+BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 256, 64, 8
+# The whole-group kernel's cast pass takes the rows last first (``_cast_rows``).
+WHOLE_GROUP_DESCENDING = True
 # Row chunks are sized so that each launch has about this many programs: several per SM on an
 # H200 (132 SMs), whatever the groups.
 TARGET_PROGRAMS = 1024
@@ -56,26 +59,28 @@ def _group_of(row, offs_ptr, groups, BLOCK_GROUPS: tl.constexpr):
     return count
 
 
+# The chunked kernels load the group ends that bound a chunk's rows themselves: torch 2.11's
+# mutation analysis of a triton op takes every pointer passed to a helper whose result leads to
+# a store's address as written, and inductor then copied the group ends for each cast launch,
+# which failed to compile under dynamic shapes (an AssertionError in
+# ``decompose_triton_kernel_wrapper_functional``). A helper's result that only bounds a loop
+# (the groups of a chunk) is not such a result.
+
+
 @triton.jit
-def _chunk_groups(chunk, chunk_rows, offs_ptr, groups, BLOCK_GROUPS: tl.constexpr):
-    """The rows ``[chunk_start, chunk_end)`` of ``chunk`` that belong to a group, and the first
-    and last group they hold (last < first when there are none)."""
-    last_end = tl.load(offs_ptr + groups - 1)
-    chunk_start = chunk * chunk_rows
-    chunk_end = tl.minimum(chunk_start + chunk_rows, last_end)
+def _chunk_groups(chunk_start, chunk_end, offs_ptr, groups, BLOCK_GROUPS: tl.constexpr):
+    """The first and last group that rows ``[chunk_start, chunk_end)`` hold (last < first when
+    there are none)."""
     first_group = _group_of(chunk_start, offs_ptr, groups, BLOCK_GROUPS)
     last_group = _group_of(chunk_end - 1, offs_ptr, groups, BLOCK_GROUPS)
-    last_group = tl.where(chunk_end > chunk_start, last_group, first_group - 1)
-    return chunk_start, chunk_end, first_group, last_group
+    return first_group, tl.where(chunk_end > chunk_start, last_group, first_group - 1)
 
 
 @triton.jit
-def _rows_of(group, chunk_start, chunk_end, offs_ptr):
-    """The rows of ``group`` inside the chunk."""
-    group_start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
+def _clipped(group_start, group_end, chunk_start, chunk_end):
+    """The rows of a group ``[group_start, group_end)`` inside the chunk."""
     start = tl.maximum(group_start, chunk_start).to(tl.int64)
-    end = tl.minimum(tl.load(offs_ptr + group), chunk_end).to(tl.int64)
-    return start, end
+    return start, tl.minimum(group_end, chunk_end).to(tl.int64)
 
 
 @triton.jit
@@ -106,11 +111,18 @@ def _cast_rows(
     n_cols,
     FP8_LIMIT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    DESCENDING: tl.constexpr,
 ):
     """Rows ``[start, end)`` of ``cols`` scaled, saturated and cast, and zeros for rows
     ``[end, written_end)`` (unread: 0 times a finite scale), written column-major (element
-    (r, c) at c * out_rows + r)."""
-    for first in range(start, written_end, BLOCK_ROWS):
+    (r, c) at c * out_rows + r). ``DESCENDING`` takes the row blocks last first: right after an
+    amax pass over the same rows, the last ones read are the likeliest still in L2."""
+    blocks = (written_end - start + BLOCK_ROWS - 1) // BLOCK_ROWS
+    for step in range(0, blocks):
+        if DESCENDING:
+            first = start + (blocks - 1 - step) * BLOCK_ROWS
+        else:
+            first = start + step * BLOCK_ROWS
         rows = first + tl.arange(0, BLOCK_ROWS)
         read = (rows < end)[:, None] & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=read, other=0.0)
@@ -138,11 +150,16 @@ def _chunk_amax(
 ):
     cols = (col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)).to(tl.int64)
     col_mask = cols < n_cols
-    chunk_start, chunk_end, first_group, last_group = _chunk_groups(
-        chunk, chunk_rows, offs_ptr, groups, BLOCK_GROUPS
-    )
+    chunk_start = chunk * chunk_rows
+    chunk_end = tl.minimum(chunk_start + chunk_rows, tl.load(offs_ptr + groups - 1))
+    first_group, last_group = _chunk_groups(chunk_start, chunk_end, offs_ptr, groups, BLOCK_GROUPS)
     for group in range(first_group, last_group + 1):
-        start, end = _rows_of(group, chunk_start, chunk_end, offs_ptr)
+        start, end = _clipped(
+            tl.load(offs_ptr + group - 1, mask=group > 0, other=0),
+            tl.load(offs_ptr + group),
+            chunk_start,
+            chunk_end,
+        )
         amax = _column_amax(x_ptr, start, end, cols, col_mask, n_cols, BLOCK_ROWS, BLOCK_COLS)
         # A non-negative float's bits order as the float does, so an integer atomic max is a
         # float max for every GPU and Triton version.
@@ -174,23 +191,28 @@ def _chunk_cast(
 ):
     cols = (col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)).to(tl.int64)
     col_mask = cols < n_cols
-    chunk_start, chunk_end, first_group, last_group = _chunk_groups(
-        chunk, chunk_rows, offs_ptr, groups, BLOCK_GROUPS
-    )
+    chunk_start = chunk * chunk_rows
+    chunk_end = tl.minimum(chunk_start + chunk_rows, tl.load(offs_ptr + groups - 1))
+    first_group, last_group = _chunk_groups(chunk_start, chunk_end, offs_ptr, groups, BLOCK_GROUPS)
     for group in range(first_group, last_group + 1):
-        start, end = _rows_of(group, chunk_start, chunk_end, offs_ptr)
+        start, end = _clipped(
+            tl.load(offs_ptr + group - 1, mask=group > 0, other=0),
+            tl.load(offs_ptr + group),
+            chunk_start,
+            chunk_end,
+        )
         amax_bits = tl.load(amax_bits_ptr + group * n_cols + cols, mask=col_mask, other=0)
         scale = pow2_scale(amax_bits.to(tl.float32, bitcast=True), FP8_LIMIT, AMAX_FLOOR)
         _cast_rows(
             x_ptr, out_ptr, start, end, end, cols, col_mask, scale, out_rows, n_cols, FP8_LIMIT,
-            BLOCK_ROWS,
+            BLOCK_ROWS, False,
         )  # fmt: skip
     if chunk == 0:
         # Zeros in the rows past the last group (none of them is read; any finite scale).
         last_end = tl.load(offs_ptr + groups - 1).to(tl.int64)
         _cast_rows(
             x_ptr, out_ptr, last_end, last_end, out_rows, cols, col_mask, col_mask.to(tl.float32),
-            out_rows, n_cols, FP8_LIMIT, BLOCK_ROWS,
+            out_rows, n_cols, FP8_LIMIT, BLOCK_ROWS, False,
         )  # fmt: skip
         # Every group's scales, empty groups' too (from amax 0), written once per column block.
         for first in range(0, groups, BLOCK_GROUPS):
@@ -217,8 +239,9 @@ def _whole_group(
     AMAX_FLOOR: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    DESCENDING: tl.constexpr,
 ):
-    """Both passes over one group's rows in one program: the second reads from L2."""
+    """Both passes over one group's rows in one program; the second reads in the other order."""
     cols = (col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)).to(tl.int64)
     col_mask = cols < n_cols
     start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
@@ -230,7 +253,7 @@ def _whole_group(
     tl.store(scale_ptr + group * n_cols + cols, scale, mask=col_mask)
     _cast_rows(
         x_ptr, out_ptr, start, end, written_end, cols, col_mask, scale, out_rows, n_cols,
-        FP8_LIMIT, BLOCK_ROWS,
+        FP8_LIMIT, BLOCK_ROWS, DESCENDING,
     )  # fmt: skip
 
 
@@ -252,18 +275,20 @@ def _per_group_whole_kernel(
     AMAX_FLOOR: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    DESCENDING: tl.constexpr,
 ):
     # One program per (column block, group); column blocks of a first, then grad's.
     col_block, group = tl.program_id(0), tl.program_id(1)
     if col_block < a_col_blocks:
         _whole_group(
             a_ptr, a_out_ptr, a_scale_ptr, offs_ptr, col_block, group, groups, out_rows, a_cols,
-            FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
+            FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS, DESCENDING,
         )  # fmt: skip
     else:
         _whole_group(
             grad_ptr, grad_out_ptr, grad_scale_ptr, offs_ptr, col_block - a_col_blocks, group,
             groups, out_rows, grad_cols, FP8_LIMIT, AMAX_FLOOR, BLOCK_ROWS, BLOCK_COLS,
+            DESCENDING,
         )  # fmt: skip
 
 
@@ -387,7 +412,7 @@ def cast_per_group_colwise_pair(
     if chunk_rows == 0:
         launcher(_per_group_whole_kernel, a)[(col_blocks, groups)](
             a, grad, a_out, grad_out, a_scales, grad_scales, offs, out_rows, a_cols, grad_cols,
-            a_col_blocks, groups, **limits, **tile,
+            a_col_blocks, groups, DESCENDING=WHOLE_GROUP_DESCENDING, **limits, **tile,
         )  # fmt: skip
         return a_out, a_scales, grad_out, grad_scales
     # A zeroed buffer of its own per tensor: the kernels write them by atomic max. (Slices of

@@ -44,8 +44,12 @@ TILE_ROWS, ROW_TILES = 4, 16
 # --lazy-cast 1 --sweep`, docs/benchmarks/archive/2026-12-03-bit-identical-lazy-cast/).
 FP32_MAX_TILE, FP32_ROW_TILES = 16384, 32
 # Activation and gradient rows (no column amax): rows per tile, tiles per program, and warps
-# (None: one warp per 512 elements of the tile, 4 to 16).
+# (None: one warp per 512 elements of the tile, 4 to 16, but 4 where a row is shorter than its
+# power-of-2 tile: 32K rows of 5120 / 2880 / 7168 took 0.122 / 0.083 / 0.167 ms at 4 warps
+# against 0.142 / 0.115 / 0.171 at 16 / 8 / 16; rows of 8192 are fastest at 16, on an H200,
+# `scripts/bench_quantize.py --rows-sweep`, docs/benchmarks/archive/2026-12-05-cast-tiles/).
 ROWS_TILE_ROWS, ROWS_ROW_TILES, ROWS_WARPS = 1, 1, None
+MASKED_ROWS_WARPS = 4
 
 
 @triton.jit
@@ -134,6 +138,8 @@ def cast_rows(
     if x.numel():
         block = triton.next_power_of_2(n_cols)
         tile_rows, row_tiles, num_warps = ROWS_TILE_ROWS, ROWS_ROW_TILES, ROWS_WARPS
+        if num_warps is None and n_cols < block:
+            num_warps = MASKED_ROWS_WARPS
         if column_amax:
             num_warps = None
             max_tile, row_tiles = (
