@@ -48,11 +48,8 @@ EXPERTS, DIM, HIDDEN = 16, 5120, 8192
 TILES = [
     (per_group.BLOCK_ROWS, per_group.BLOCK_COLS, per_group.NUM_WARPS, True),
     (256, 64, 8, False),
-    (128, 64, 4, True),
     (128, 64, 4, False),
-    (256, 32, 8, True),
     (256, 32, 8, False),
-    (512, 64, 16, True),
 ]
 
 

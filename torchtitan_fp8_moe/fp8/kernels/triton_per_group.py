@@ -35,11 +35,13 @@ from .triton_rules import pow2_scale, saturate
 
 # Tile of one step: BLOCK_ROWS tokens x BLOCK_COLS columns, and the warps of a program. At
 # Scout's routed w2 operands (32K tokens in 16 groups, 8192 + 5120 columns) on an H200 it is
-# the fastest of nine tiles: 0.60 / 0.56 ms (balanced / skewed routing) against 0.67 / 0.70 for
-# the earlier 128 x 64 x 4 warps; a TP 8 shard's (5120 + 1024) 0.28 / 0.31 against 0.31 / 0.44
+# the fastest of nine tiles: 0.60 / 0.56 ms (balanced / skewed routing) against 0.66 / 0.68 for
+# the earlier 128 x 64 x 4 warps; a TP 8 shard's (5120 + 1024) 0.28 / 0.31 against 0.31 / 0.48.
+# One group (the chunked launches) 0.70 against 0.67, one run
 # (`scripts/bench_quantize.py --per-group-sweep`, docs/benchmarks/archive/2026-12-05-cast-tiles/).
 BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 256, 64, 8
-# The whole-group kernel's cast pass takes the rows last first (``_cast_rows``).
+# The whole-group kernel's cast pass takes the rows last first (``_cast_rows``): 4-6% faster at
+# this tile in all four cases above (the same page).
 WHOLE_GROUP_DESCENDING = True
 # Row chunks are sized so that each launch has about this many programs: several per SM on an
 # H200 (132 SMs), whatever the groups.
