@@ -193,8 +193,9 @@ def _chunk_cast(
 ):
     cols = (col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)).to(tl.int64)
     col_mask = cols < n_cols
+    last_end = tl.load(offs_ptr + groups - 1).to(tl.int64)
     chunk_start = chunk * chunk_rows
-    chunk_end = tl.minimum(chunk_start + chunk_rows, tl.load(offs_ptr + groups - 1))
+    chunk_end = tl.minimum(chunk_start + chunk_rows, last_end)
     first_group, last_group = _chunk_groups(chunk_start, chunk_end, offs_ptr, groups, BLOCK_GROUPS)
     for group in range(first_group, last_group + 1):
         start, end = _clipped(
@@ -211,7 +212,6 @@ def _chunk_cast(
         )  # fmt: skip
     if chunk == 0:
         # Zeros in the rows past the last group (none of them is read; any finite scale).
-        last_end = tl.load(offs_ptr + groups - 1).to(tl.int64)
         _cast_rows(
             x_ptr, out_ptr, last_end, last_end, out_rows, cols, col_mask, col_mask.to(tl.float32),
             out_rows, n_cols, FP8_LIMIT, BLOCK_ROWS, False,
