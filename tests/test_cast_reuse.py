@@ -121,6 +121,26 @@ def test_expert_ffn_casts_the_routed_tokens_once(device, tokens_per_expert, monk
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_shared_experts_linear_layers_cast_their_input_once(device, monkeypatch):
+    """A FeedForward shared expert's w1 and w3 (``F.linear`` of converted 2D weights, each call
+    with offsets of its own) share one forward cast of x."""
+    emulate = device == "cpu"
+    quantizers = recipe_named("rowwise").quantizers(emulate)
+    casts = []
+    _logging(monkeypatch, quantizers, ["rows"], casts)
+    torch.manual_seed(0)
+    w1, w3 = (
+        nn.Parameter(Float8MoEWeight(torch.randn(HIDDEN, DIM, device=device) * 0.05,
+                                     WeightConfig(emulate=emulate)))
+        for _ in range(2)
+    )  # fmt: skip
+    x = torch.randn(48, DIM, device=device, dtype=torch.bfloat16, requires_grad=True)
+    torch.nn.functional.linear(x, w1)
+    torch.nn.functional.linear(x, w3)
+    assert casts == [("rows", DIM)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_changed_or_other_tensor_is_cast_again(device):
     emulate = device == "cpu"
     recipe = recipe_named("rowwise")
