@@ -110,12 +110,15 @@ def _check_rows_with_group_amax() -> None:
         for tile in GROUP_AMAX_TILES if tokens <= 300 else GROUP_AMAX_TILES[1:2]:
             case = (tokens, cols, ends, tile)
             triton_rowwise.GROUP_AMAX_TILE_ROWS, triton_rowwise.GROUP_AMAX_ROW_TILES = tile
-            values, scales, amax_bits = triton_rowwise.cast_rows_with_group_amax(
-                x, offs, torch.float32
+            values, scales, amax = triton_rowwise.cast_rows(
+                x[None], False, torch.float32, offs=offs
             )
-            assert torch.equal(scales, want_scales) and torch.equal(values, want_values), case
-            assert torch.equal(amax_bits.view(torch.float32), want_amax), case
-        grad_amax_bits = triton_rowwise.cast_rows_with_group_amax(grad, offs, torch.float32)[2]
+            assert torch.equal(scales[0], want_scales), case
+            assert torch.equal(values[0], want_values), case
+            assert torch.equal(amax, want_amax), case
+            amax_bits = amax.view(torch.int32)
+        grad_amax = triton_rowwise.cast_rows(grad[None], False, torch.float32, offs=offs)[2]
+        grad_amax_bits = grad_amax.view(torch.int32)
         for given in ((amax_bits, None), (None, grad_amax_bits), (amax_bits, grad_amax_bits)):
             got = cast_per_group_colwise_pair(
                 x, grad, offs, torch.float32, a_amax_bits=given[0], grad_amax_bits=given[1]
@@ -129,8 +132,9 @@ def _check_rows_with_group_amax() -> None:
     offs = torch.tensor([34, 64], dtype=torch.int32)  # rows 32-35 of a 4-row tile: 2 groups
     for tile in ((1, 32), (4, 4)):
         triton_rowwise.GROUP_AMAX_TILE_ROWS, triton_rowwise.GROUP_AMAX_ROW_TILES = tile
-        _, _, amax_bits = triton_rowwise.cast_rows_with_group_amax(x, offs, torch.float32)
-        assert torch.equal(amax_bits.view(torch.float32), torch.ones(2, 8)), tile
+        amax = triton_rowwise.cast_rows(x[None], False, torch.float32, offs=offs)[2]
+        assert torch.equal(amax, torch.ones(2, 8)), tile
+        amax_bits = amax.view(torch.int32)
         values = cast_per_group_colwise_pair(x, x, offs, torch.float32, a_amax_bits=amax_bits)[0]
         assert values.isnan().nonzero().tolist() == [[5, 3], [33, 6]]
 

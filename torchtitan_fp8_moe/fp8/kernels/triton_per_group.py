@@ -402,7 +402,7 @@ def cast_per_group_colwise_pair(
     which does not round to fp8 as the GPU does); ``chunk_rows`` overrides ``chunk_rows_for``
     (tests take both paths, and make chunks span groups, with it). ``a_amax_bits`` /
     ``grad_amax_bits``: the operand's per-group column amax ``[G, C]`` (float32 bits in int32)
-    where a row cast took it already (``triton_rowwise.cast_rows_with_group_amax``); then the
+    where a row cast took it already (``triton_rowwise.rowwise_fp8_with_group_amax``); then the
     operand is read once, by the cast launch alone."""
     a, grad = a.contiguous(), grad.contiguous()
     n_rows, a_cols = a.shape
@@ -431,22 +431,18 @@ def cast_per_group_colwise_pair(
     col_blocks = a_col_blocks + triton.cdiv(grad_cols, BLOCK_COLS)
     if not groups or not col_blocks:
         return a_out, a_scales, grad_out, grad_scales
-    amax_given = a_amax_bits is not None or grad_amax_bits is not None
     if chunk_rows is None:
-        chunk_rows = (
-            _chunk_rows(n_rows, col_blocks)  # the cast launch alone does the work
-            if amax_given
-            else chunk_rows_for(n_rows, groups, col_blocks)
-        )
+        chunk_rows = chunk_rows_for(n_rows, groups, col_blocks)
     limits = dict(FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, num_warps=NUM_WARPS)
     tile = dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+    amax_given = a_amax_bits is not None or grad_amax_bits is not None
     if chunk_rows == 0 and not amax_given:
         launcher(_per_group_whole_kernel, a)[(col_blocks, groups)](
             a, grad, a_out, grad_out, a_scales, grad_scales, offs, out_rows, a_cols, grad_cols,
             a_col_blocks, groups, DESCENDING=WHOLE_GROUP_DESCENDING, **limits, **tile,
         )  # fmt: skip
         return a_out, a_scales, grad_out, grad_scales
-    if chunk_rows == 0:  # a test's whole groups, with an amax given
+    if chunk_rows == 0:  # whole groups, but with an amax given the cast launch does the work
         chunk_rows = _chunk_rows(n_rows, col_blocks)
     # At least one chunk: the cast launch's first chunk writes every group's scales.
     chunks = torch.sym_max(1, triton.cdiv(n_rows, chunk_rows))

@@ -51,7 +51,7 @@ FP32_MAX_TILE, FP32_ROW_TILES = 16384, 32
 # `scripts/bench_quantize.py --rows-sweep`, docs/benchmarks/archive/2026-12-05-cast-tiles/).
 ROWS_TILE_ROWS, ROWS_ROW_TILES, ROWS_WARPS = 1, 1, None
 MASKED_ROWS_WARPS = 4
-# Row casts that also take the token groups' column amax (``cast_rows_with_group_amax``): rows
+# Row casts that also take the token groups' column amax (``cast_rows`` with ``offs``): rows
 # per tile and tiles per program. A program writes its amax by atomic max once per group it
 # holds, so it takes many rows; one warp per 512 elements of a tile (the column amax beside the
 # tile: with 4 warps, rows of 5120 spill registers for sm_90, ``scripts/kernel_resources.py``).
@@ -178,10 +178,15 @@ def cast_rows(
     column_amax: bool,
     out_dtype: torch.dtype = FP8_DTYPE,
     round_to_bf16: bool = False,
+    offs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``x [G, R, C]`` -> ``out_dtype [G, R, C]``, fp32 scales ``[G, R, 1]`` (per row over C),
     and with ``column_amax`` each group's amax of |x| over its rows, ``[G, C]`` float32 (NaN
     if the column holds one); with ``round_to_bf16``, all of it of ``x.bfloat16()``'s values.
+    With ``offs`` (x one group of rows, ``[1, M, C]``) instead each token group's amax of |x|
+    per column over its rows, ``[T, C]`` float32 (token groups end at ``offs``; NaN skipped, as
+    the weight gradient's per-group casts skip it): what those casts scale x by
+    (``triton_per_group.py``), taken in the row cast's read of x.
     ``out_dtype`` other than fp8 keeps the scaled, saturated values uncast (how the tests check
     the kernel in Triton's CPU interpreter, which does not round to fp8 as the GPU does)."""
     groups, n_rows, n_cols = x.shape
@@ -190,14 +195,21 @@ def cast_rows(
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     scales = torch.empty((groups, n_rows, 1), dtype=torch.float32, device=x.device)
-    # Without column_amax the kernel never touches the amax buffer: scales stands in for it.
+    # Without an amax the kernel never touches the amax buffer or the group ends: scales stands
+    # in for them.
+    amax_rows = offs.numel() if offs is not None else groups if column_amax else None
     amax_bits = (
-        torch.zeros((groups, n_cols), dtype=torch.int32, device=x.device) if column_amax else None
+        None
+        if amax_rows is None
+        else torch.zeros((amax_rows, n_cols), dtype=torch.int32, device=x.device)
     )
     if x.numel():
         block = triton.next_power_of_2(n_cols)
         tile_rows, row_tiles = ROWS_TILE_ROWS, ROWS_ROW_TILES
-        if column_amax:
+        if offs is not None:
+            tile_rows, row_tiles = GROUP_AMAX_TILE_ROWS, GROUP_AMAX_ROW_TILES
+            num_warps = _warps_per_tile(block, tile_rows)
+        elif column_amax:
             max_tile, row_tiles = (
                 (FP32_MAX_TILE, FP32_ROW_TILES) if x.element_size() == 4 else (MAX_TILE, ROW_TILES)
             )
@@ -211,17 +223,17 @@ def cast_rows(
             out,
             scales,
             scales if amax_bits is None else amax_bits,
-            scales,  # no token groups
+            scales if offs is None else offs,
             n_rows,
             n_cols,
-            0,
+            0 if offs is None else offs.numel(),
             FP8_LIMIT=FP8_MAX,
             AMAX_FLOOR=AMAX_FLOOR,
             BLOCK=block,
             TILE_ROWS=tile_rows,
             ROW_TILES=row_tiles,
             COLUMN_AMAX=column_amax,
-            GROUP_AMAX=False,
+            GROUP_AMAX=offs is not None,
             ROUND_TO_BF16=round_to_bf16,
             BLOCK_GROUPS=BLOCK_GROUPS,
             num_warps=num_warps,
@@ -239,48 +251,6 @@ def _rows_warps(n_cols: int, block: int, tile_rows: int) -> int:
     if ROWS_WARPS is not None:
         return ROWS_WARPS
     return MASKED_ROWS_WARPS if n_cols < block else _warps_per_tile(block, tile_rows)
-
-
-def cast_rows_with_group_amax(
-    x: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [M, C]`` -> ``out_dtype [M, C]``, fp32 scales ``[M, 1]`` (per row over C), and each
-    token group's amax of |x| per column over its rows, ``[G, C]`` float32 bits in int32 (groups
-    end at ``offs``; NaN skipped, as the per-group casts skip it): what the weight gradient's
-    per-group casts scale x by (``triton_per_group.py``), taken in the row cast's read of x.
-    ``out_dtype`` as in ``cast_rows``."""
-    n_rows, n_cols = x.shape
-    if n_cols > MAX_ROW:
-        raise ValueError(f"rowwise fp8 cast: rows of {n_cols} elements exceed {MAX_ROW}")
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    scales = torch.empty((n_rows, 1), dtype=torch.float32, device=x.device)
-    groups = offs.numel()
-    amax_bits = torch.zeros((groups, n_cols), dtype=torch.int32, device=x.device)
-    if x.numel():
-        block = triton.next_power_of_2(n_cols)
-        tile_rows, row_tiles = GROUP_AMAX_TILE_ROWS, GROUP_AMAX_ROW_TILES
-        launcher(_rowwise_fp8_kernel, x)[(triton.cdiv(n_rows, tile_rows * row_tiles), 1)](
-            x,
-            out,
-            scales,
-            amax_bits,
-            offs,
-            n_rows,
-            n_cols,
-            groups,
-            FP8_LIMIT=FP8_MAX,
-            AMAX_FLOOR=AMAX_FLOOR,
-            BLOCK=block,
-            TILE_ROWS=tile_rows,
-            ROW_TILES=row_tiles,
-            COLUMN_AMAX=False,
-            GROUP_AMAX=True,
-            ROUND_TO_BF16=False,
-            BLOCK_GROUPS=BLOCK_GROUPS,
-            num_warps=_warps_per_tile(block, tile_rows),
-        )
-    return out, scales, amax_bits
 
 
 def _rowwise_fp8(x: torch.Tensor, round_to_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +272,9 @@ def _rowwise_fp8_with_group_amax(
     x: torch.Tensor, offs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, C]`` -> fp8 ``[M, C]``, scales ``[M, 1]`` and the token groups' column amax
-    ``[G, C]`` (float32 bits in int32), from one read of x."""
-    return cast_rows_with_group_amax(x, offs)
+    ``[G, C]`` (float32 bits in int32, as the per-group casts take it), from one read of x."""
+    out, scales, amax = cast_rows(x[None], column_amax=False, offs=offs)
+    return out[0], scales[0], amax.view(torch.int32)
 
 
 rowwise_fp8 = compile_triton("rowwise_fp8", _rowwise_fp8)
