@@ -5,7 +5,6 @@
     python scripts/bench_quantize.py --lazy-cast 5   # the lazy bf16 cast's weight casts
     python scripts/bench_quantize.py --rows-sweep    # the activation row cast's tile shapes
     python scripts/bench_quantize.py --per-group-sweep  # the weight gradient's per-group casts
-    python scripts/bench_quantize.py --group-amax   # row casts taking the per-group amax, or not
 
 For each token count M (16 experts, uneven token groups aligned to 16, Scout's 5120 x 8192):
 - the weight-gradient operands' per-group column-wise cast (``a [M, K]`` and ``grad [M, N]``,
@@ -331,93 +330,6 @@ def rows_sweep(tokens: int, widths: list[int]) -> list[dict]:
     return rows
 
 
-# (GROUP_AMAX_TILE_ROWS, GROUP_AMAX_ROW_TILES) of the row cast that takes the per-group amax,
-# timed by --group-amax; the first is the shipped one.
-GROUP_AMAX_TILES = [
-    (rowwise.GROUP_AMAX_TILE_ROWS, rowwise.GROUP_AMAX_ROW_TILES),
-    (1, 16),
-    (1, 64),
-    (2, 16),
-]
-
-
-def group_amax(tokens: int) -> list[dict]:
-    """A weight-gradient operand pair's casts, with and without the row casts taking the
-    per-group amax (``triton_quantize.ROW_CASTS_TAKE_GROUP_AMAX``): both operands' row casts
-    (forward's, input gradient's) and their per-group casts, timed together and apart, at
-    Scout's routed w1 and w2 operands, a TP 8 shard's w2 and the shared expert's w2 (one
-    group); every output checked equal to the two-read path's. (The per-group casts are
-    called directly: ``triton_quantize.per_group_pair`` would reuse a kept cast of a.)"""
-    rows = []
-    shipped = (rowwise.GROUP_AMAX_TILE_ROWS, rowwise.GROUP_AMAX_ROW_TILES)
-    cases = (
-        ("scout w1", EXPERTS, DIM, HIDDEN),
-        ("scout w2", EXPERTS, HIDDEN, DIM),
-        ("tp8 w2", EXPERTS, HIDDEN // 8, DIM),
-        ("shared w2", 1, HIDDEN, DIM),
-    )
-
-    def timed(kernel, case, launch, equal=True):
-        ms = round(do_bench(launch, warmup=25, rep=200), 4)
-        row = {"kernel": kernel, "case": case, "tokens": tokens, "impl": "float8_moe", "ms": ms}
-        rows.append({**row, "equal": equal})
-
-    for case, groups, a_cols, grad_cols in cases:
-        a = torch.randn(tokens, a_cols, device="cuda", dtype=torch.bfloat16)
-        grad = torch.randn(tokens, grad_cols, device="cuda", dtype=torch.bfloat16)
-        offs = group_ends(tokens, seed=1, groups=groups)
-        want = _flat(_casts_two_reads(a, grad, offs))
-        timed("row casts", case, partial(_row_casts, triton_quantize.rows, a, grad))
-        timed("per-group casts", case, partial(per_group_colwise_fp8_pair, a, grad, offs))
-        timed("two reads, all", case, partial(_casts_two_reads, a, grad, offs))
-        for tile in GROUP_AMAX_TILES:
-            rowwise.GROUP_AMAX_TILE_ROWS, rowwise.GROUP_AMAX_ROW_TILES = tile
-            got = _flat(_casts_one_read(a, grad, offs))
-            equal = all(
-                torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-                if g.dtype == FP8_DTYPE
-                else torch.equal(g, w)
-                for g, w in zip(got, want, strict=True)
-            )
-            tag = "tile {} x {}".format(*tile)
-            with_amax = partial(_rows_with_group_amax, offs)
-            timed(f"row casts + amax, {tag}", case, partial(_row_casts, with_amax, a, grad), equal)
-            a_amax, grad_amax = with_amax(a)[2], with_amax(grad)[2]
-            given = partial(per_group_colwise_fp8_pair, a, grad, offs, a_amax, grad_amax)
-            timed(f"per-group casts given amax, {tag}", case, given, equal)
-            timed(f"one read, all, {tag}", case, partial(_casts_one_read, a, grad, offs), equal)
-    rowwise.GROUP_AMAX_TILE_ROWS, rowwise.GROUP_AMAX_ROW_TILES = shipped
-    return rows
-
-
-def _row_casts(cast, a, grad):
-    return cast(a), cast(grad)
-
-
-def _rows_with_group_amax(offs, x):
-    return rowwise.rowwise_fp8_with_group_amax(x, offs)
-
-
-def _casts_two_reads(a, grad, offs):
-    """The row casts of a and grad, then their per-group casts (which take the amax)."""
-    row_casts = _row_casts(triton_quantize.rows, a, grad)
-    return row_casts, per_group_colwise_fp8_pair(a, grad, offs)
-
-
-def _casts_one_read(a, grad, offs):
-    """The row casts taking the per-group amax, then the per-group casts given it."""
-    a_fp8, a_scale, a_amax = rowwise.rowwise_fp8_with_group_amax(a, offs)
-    grad_fp8, grad_scale, grad_amax = rowwise.rowwise_fp8_with_group_amax(grad, offs)
-    pair = per_group_colwise_fp8_pair(a, grad, offs, a_amax, grad_amax)
-    return ((a_fp8, a_scale), (grad_fp8, grad_scale)), pair
-
-
-def _flat(nested) -> list[torch.Tensor]:
-    if isinstance(nested, torch.Tensor):
-        return [nested]
-    return [t for item in nested for t in _flat(item)]
-
-
 def _cast_then_quantize(b):
     return triton_quantize.weight(b.bfloat16())
 
@@ -507,12 +419,6 @@ def main() -> None:
         "--per-group-sweep", action="store_true", help="only the per-group cast, at other tiles"
     )
     parser.add_argument(
-        "--group-amax",
-        action="store_true",
-        help="only a weight-gradient operand pair's casts, with and without the row casts "
-        "taking the per-group amax",
-    )
-    parser.add_argument(
         "--rows-widths",
         default=f"{DIM},{HIDDEN}",
         help="--rows-sweep's row lengths (Scout's: dim, hidden)",
@@ -523,8 +429,6 @@ def main() -> None:
         rows = rows_sweep(args.sweep_tokens, [int(w) for w in args.rows_widths.split(",")])
     elif args.per_group_sweep:
         rows = sweep_tiles(args.sweep_tokens)
-    elif args.group_amax:
-        rows = group_amax(args.sweep_tokens)
     elif args.lazy_cast:
         rows = lazy_cast_casts(args.lazy_cast) + (lazy_cast_sweep() if args.sweep else [])
     else:

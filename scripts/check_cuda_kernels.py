@@ -100,8 +100,7 @@ def _patch() -> None:
         ]
 
     def checked(name):
-        cuda_fn = getattr(triton_quantize, name)
-        torch_fn = getattr(torch_quantize, "rows" if name == "rows_and_group_amax" else name)
+        cuda_fn, torch_fn = getattr(triton_quantize, name), getattr(torch_quantize, name)
 
         def quantize(*args, **kwargs):
             got = cuda_fn(*args, **kwargs)
@@ -110,22 +109,12 @@ def _patch() -> None:
                 round_to = kwargs.get("round_to", args[2] if len(args) > 2 else None)
                 amax = torch_quantize.weight(args[0], round_to)[2]
                 want = torch_fn(args[0], amax, round_to)
-            elif name == "rows_and_group_amax":
-                # Rows by the torch rules; the amax (float32 bits) as the torch rules take it.
-                x, offs = args
-                want = torch_fn(x)
-                amax = torch_quantize._amax_per_group(x, gemm.token_groups(offs, len(x)), len(offs))
-                _record(
-                    f"quantize.{name} amax", tuple(x.shape), got[2].view(torch.float32), amax, []
-                )
-            elif name == "per_group_pair":
-                want = torch_fn(*args[:3])  # the torch rules take the amaxes themselves
             else:
                 want = torch_fn(*args, **kwargs)
             if name == "weight":
                 _record("quantize.weight amax over N", tuple(args[0].shape), got[2], want[2], [])
             if name == "per_group_pair":
-                pairs = zip(pair_values(got, args[2]), pair_values(want, args[2]), strict=True)
+                pairs = zip(pair_values(got, args[-1]), pair_values(want, args[-1]), strict=True)
             else:
                 # data and scales (the weight's forward cast also returns an amax)
                 pairs = [(dequantize(*got[:2]), dequantize(*want[:2]))]
@@ -135,7 +124,7 @@ def _patch() -> None:
 
         setattr(triton_quantize, name, quantize)
 
-    for name in ("rows", "rows_and_group_amax", "weight", "weight_transposed", "per_group_pair"):
+    for name in ("rows", "weight", "weight_transposed", "per_group_pair"):
         checked(name)
 
 

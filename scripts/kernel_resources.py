@@ -31,10 +31,8 @@ ROWS_SIGNATURE = {
     "out_ptr": "*fp8e4nv",
     "scale_ptr": "*fp32",
     "column_amax_ptr": "*i32",
-    "offs_ptr": "*i32",
     "n_rows": "i32",
     "n_cols": "i32",
-    "token_groups": "i32",
 }
 PER_GROUP_SIGNATURE = {
     "a_ptr": "*bf16",
@@ -90,10 +88,9 @@ def rows(width: int, arch: int) -> list[dict]:
     # Activation row casts: the shipped tile.
     warps = rowwise._rows_warps(width, block, rowwise.ROWS_TILE_ROWS)
     tile = dict(TILE_ROWS=rowwise.ROWS_TILE_ROWS, ROW_TILES=rowwise.ROWS_ROW_TILES)
-    flags = dict(COLUMN_AMAX=False, GROUP_AMAX=False, ROUND_TO_BF16=False)
-    groups = dict(BLOCK_GROUPS=rowwise.BLOCK_GROUPS)
+    flags = dict(COLUMN_AMAX=False, ROUND_TO_BF16=False)
     add("rows, shipped", rowwise._rowwise_fp8_kernel, ROWS_SIGNATURE,
-        dict(BLOCK=block, **tile, **flags, **groups), warps)  # fmt: skip
+        dict(BLOCK=block, **tile, **flags), warps)  # fmt: skip
     # Weight casts (rows of the stored weight, with the other orientation's amax): the shipped
     # bf16 and fp32 tiles and one-row tiles.
     for dtype, max_tile, row_tiles, round_to_bf16 in (
@@ -107,14 +104,8 @@ def rows(width: int, arch: int) -> list[dict]:
                 name += ", shipped"
             add(name, rowwise._rowwise_fp8_kernel, {**ROWS_SIGNATURE, "x_ptr": f"*{dtype}"},
                 dict(BLOCK=block, TILE_ROWS=tile_rows, ROW_TILES=tiles, COLUMN_AMAX=True,
-                     GROUP_AMAX=False, ROUND_TO_BF16=round_to_bf16, **groups),
+                     ROUND_TO_BF16=round_to_bf16),
                 rowwise._warps_per_tile(block, tile_rows))  # fmt: skip
-    # Row casts that take the per-group amax: the shipped tile.
-    tile_rows = rowwise.GROUP_AMAX_TILE_ROWS
-    add("rows + group amax, shipped", rowwise._rowwise_fp8_kernel, ROWS_SIGNATURE,
-        dict(BLOCK=block, TILE_ROWS=tile_rows, ROW_TILES=rowwise.GROUP_AMAX_ROW_TILES,
-             COLUMN_AMAX=False, GROUP_AMAX=True, ROUND_TO_BF16=False, **groups),
-        rowwise._warps_per_tile(block, tile_rows))  # fmt: skip
     # The weight gradient's per-group casts (whole groups), the shipped tile.
     add("per-group pair, whole groups, shipped", per_group._per_group_whole_kernel,
         PER_GROUP_SIGNATURE,

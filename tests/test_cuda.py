@@ -232,65 +232,6 @@ def test_per_group_kernel_matches_the_torch_rules_for_every_token_count():
             assert torch.equal(got[1], want[1]) and torch.equal(got[3], want[3]), tokens
 
 
-@pytest.mark.parametrize(
-    "forward,shape,tokens",
-    [
-        (_routed, (E, H, D), M),
-        (_grouped_shared, (1, H, D), M - 7),
-        (_linear, (H, D), M - 7),
-    ],
-    ids=["routed", "grouped_shared_odd_tokens", "linear_odd_tokens"],
-)
-def test_row_casts_taking_the_group_amax_give_the_same_bits(forward, shape, tokens, monkeypatch):
-    """``triton_quantize.ROW_CASTS_TAKE_GROUP_AMAX``: the weight gradient's per-group casts
-    scale by the amax the row casts took, the same amax, so every result is bit for bit the
-    two-read path's, eager and (each against itself) compiled."""
-    from torchtitan_fp8_moe.fp8 import triton_quantize
-
-    torch.manual_seed(0)
-    w = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02
-    x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
-    results = {}
-    for compiled in (False, True):
-        for group_amax in (False, True):
-            monkeypatch.setattr(triton_quantize, "ROW_CASTS_TAKE_GROUP_AMAX", group_amax)
-            torch._dynamo.reset()
-            run = torch.compile(forward, fullgraph=True) if compiled else forward
-            weight = torch.nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(emulate=False)))
-            x_in = x.clone().requires_grad_()
-            out = run(x_in, weight)
-            out.backward(grad)
-            results[compiled, group_amax] = (out, x_in.grad, weight.grad)
-    for compiled in (False, True):
-        for want, got in zip(results[compiled, False], results[compiled, True], strict=True):
-            assert torch.equal(want, got), compiled
-
-
-@pytest.mark.parametrize("tile", [(1, 32), (4, 4)], ids=["shipped", "tiles_spanning_groups"])
-def test_row_cast_with_group_amax_matches_the_torch_rules(tile, monkeypatch):
-    """The row cast that takes the per-group amax: the plain row cast's bytes, and each token
-    group's column amax as the torch rules take it, NaN skipped; with an empty group, group
-    ends inside a tile, and rows past the last group."""
-    from torchtitan_fp8_moe.fp8 import gemm, torch_quantize
-    from torchtitan_fp8_moe.fp8.kernels import triton_rowwise
-
-    monkeypatch.setattr(triton_rowwise, "GROUP_AMAX_TILE_ROWS", tile[0])
-    monkeypatch.setattr(triton_rowwise, "GROUP_AMAX_ROW_TILES", tile[1])
-    torch.manual_seed(0)
-    magnitudes = torch.logspace(-3, 3, 5120, device="cuda")
-    x = (torch.randn(1000, 5120, device="cuda") * magnitudes).bfloat16()
-    x[7, 11] = x[500, 3] = float("nan")
-    offs = torch.tensor([0, 96, 501, 502, 992], device="cuda", dtype=torch.int32)
-    data, scales, amax_bits = triton_rowwise.rowwise_fp8_with_group_amax(x, offs)
-    want_data, want_scales = triton_rowwise.rowwise_fp8(x)
-    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
-    assert torch.equal(scales, want_scales)
-    groups = gemm.token_groups(offs, x.shape[0])
-    want_amax = torch_quantize._amax_per_group(x.nan_to_num(0.0), groups, offs.numel())
-    assert torch.equal(amax_bits.view(torch.float32), want_amax)
-
-
 def test_weight_cache_on_cuda_matches_uncached():
     """The fp8 weight cache on the CUDA path: two micro-batches, bit-identical gradients, and
     one quantization of the weight (forward orientation only: x needs no gradient)."""

@@ -91,26 +91,12 @@ def _check_call_forms() -> None:
     _assert_equal_up_to_summation_order(out, want, "batched, no gradient")
 
 
-def _row_casts_take_group_amax() -> None:
-    from torchtitan_fp8_moe.fp8 import triton_quantize
-
-    triton_quantize.ROW_CASTS_TAKE_GROUP_AMAX = True
-
-
-def _check_call_forms_with_group_amax() -> None:
-    _row_casts_take_group_amax()
-    _check_call_forms()
-
-
-@pytest.mark.parametrize("group_amax", [False, True], ids=["", "row_casts_take_group_amax"])
-def test_call_forms_on_the_cuda_path_equal_the_emulated_path(group_amax):
+def test_call_forms_on_the_cuda_path_equal_the_emulated_path():
     """Routed experts with an empty group and rows past the last one, the lazy bf16 cast of an
     fp32 weight, one local expert with padding rows, the grouped shared expert, 3D x 3D batches,
     linear layers in bf16 and fp32, shared experts of token counts not a multiple of 16:
-    forward, input and weight gradients; batch entries of such counts are refused clearly.
-    Also with the row casts taking the weight gradient's per-group amax."""
-    check = "_check_call_forms_with_group_amax" if group_amax else "_check_call_forms"
-    run_interpreted("test_cuda_path_interpreted", check)
+    forward, input and weight gradients; batch entries of such counts are refused clearly."""
+    run_interpreted("test_cuda_path_interpreted", "_check_call_forms")
 
 
 def _check_fp8_all_gather() -> None:
@@ -205,17 +191,9 @@ def _check_moe_layers() -> None:
             _assert_equal_up_to_summation_order(cuda_path[what], want, case)
 
 
-def _check_moe_layers_with_group_amax() -> None:
-    _row_casts_take_group_amax()
-    _check_moe_layers()
-
-
-@pytest.mark.parametrize("group_amax", [False, True], ids=["", "row_casts_take_group_amax"])
-def test_torchtitan_moe_layers_on_the_cuda_path_equal_the_emulated_path(group_amax):
+def test_torchtitan_moe_layers_on_the_cuda_path_equal_the_emulated_path():
     """torchtitan's MoE layer converted with the CUDA path and emulated: output, input gradient
     and every parameter's gradient, with a shared expert, with one local expert, with experts
     that get no token, with the fp8 weight cache over two micro-batches, and in the seed's
-    layout (a grouped [1, hidden, dim] shared expert). Also with the row casts taking the
-    weight gradient's per-group amax."""
-    check = "_check_moe_layers_with_group_amax" if group_amax else "_check_moe_layers"
-    run_interpreted("test_cuda_path_interpreted", check)
+    layout (a grouped [1, hidden, dim] shared expert)."""
+    run_interpreted("test_cuda_path_interpreted", "_check_moe_layers")

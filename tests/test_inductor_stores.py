@@ -116,60 +116,20 @@ def _check_dynamic_shapes_lower() -> None:
     triton_kernel_wrap.get_mutated_tensors = recorded
     codes = compiled_code(dynamic=True)
     assert len(codes) == 2, len(codes)  # forward and backward
-    kernels = {kernel for kernel, _ in written}
-    # The weight gradient's per-group casts: an amax launch and a cast launch, or the cast
-    # launch alone where the row casts took the amaxes.
-    assert "_per_group_cast_kernel" in kernels, kernels
-    assert ("_per_group_amax_kernel" in kernels) != _group_amax_in_row_casts(), kernels
+    assert {kernel for kernel, _ in written} >= {"_per_group_amax_kernel", "_per_group_cast_kernel"}
     read_only = {"x_ptr", "a_ptr", "grad_ptr", "b_ptr", "offs_ptr"}
-    # The cast launch reads the amaxes (a row cast's, given to it, or the amax launch's).
-    read_only_by = {"_per_group_cast_kernel": {"a_amax_ptr", "grad_amax_ptr"}}
-    assert not [
-        (kernel, names)
-        for kernel, names in written
-        if (read_only | read_only_by.get(kernel, set())) & set(names)
-    ], written
+    assert not [(kernel, names) for kernel, names in written if read_only & set(names)], written
 
 
-def _group_amax_in_row_casts() -> bool:
-    from torchtitan_fp8_moe.fp8 import triton_quantize
-
-    return triton_quantize.ROW_CASTS_TAKE_GROUP_AMAX
-
-
-def _with_group_amax_in_row_casts(check):
-    from torchtitan_fp8_moe.fp8 import triton_quantize
-
-    triton_quantize.ROW_CASTS_TAKE_GROUP_AMAX = True
-    check()
-
-
-def _check_silu_gradients_stored_once_with_group_amax() -> None:
-    _with_group_amax_in_row_casts(_check_silu_gradients_stored_once)
-
-
-def _check_dynamic_shapes_lower_with_group_amax() -> None:
-    _with_group_amax_in_row_casts(_check_dynamic_shapes_lower)
-
-
-GROUP_AMAX = pytest.mark.parametrize(
-    "suffix", ["", "_with_group_amax"], ids=["", "row_casts_take_group_amax"]
-)
-
-
-@GROUP_AMAX
-def test_silu_backward_stores_each_gradient_once(suffix):
+def test_silu_backward_stores_each_gradient_once():
     """Compiled, each SiLU-backward gradient is stored once for all our kernels that read it
     (``fp8/opaque.py``: our ops read their inputs through ``as_strided`` views while traced);
-    without that, inductor stored one copy per reading kernel. Also where the row casts take
-    the weight gradient's per-group amax."""
-    run_in_fresh_process("test_inductor_stores", "_check_silu_gradients_stored_once" + suffix)
+    without that, inductor stored one copy per reading kernel."""
+    run_in_fresh_process("test_inductor_stores", "_check_silu_gradients_stored_once")
 
 
-@GROUP_AMAX
-def test_routed_experts_compile_with_dynamic_shapes(suffix):
+def test_routed_experts_compile_with_dynamic_shapes():
     """With symbolic shapes (``dynamic=True``; also dynamo's recompile when a traced function
     meets another expert count), inductor lowers the routed experts' forward and backward, and
-    torch's analysis of our Triton kernels takes none of them as writing its inputs. Also where
-    the row casts take the weight gradient's per-group amax."""
-    run_in_fresh_process("test_inductor_stores", "_check_dynamic_shapes_lower" + suffix)
+    torch's analysis of our Triton kernels takes none of them as writing its inputs."""
+    run_in_fresh_process("test_inductor_stores", "_check_dynamic_shapes_lower")

@@ -78,67 +78,6 @@ def _check_per_group_colwise() -> None:
         assert not grad_values.isnan().any()
 
 
-# Row-cast programs of the group-amax kernel (rows per tile, tiles per program): the default,
-# tiles of several rows that groups' ends split (per-element atomics), and short programs.
-GROUP_AMAX_TILES = [(1, 32), (4, 4), (2, 3)]
-
-
-def _check_rows_with_group_amax() -> None:
-    """The row cast that also takes each token group's column amax: rows as ``cast_rows``
-    casts them, the amax as the torch rules take it, and the per-group casts given that amax
-    (one operand's, the other's, both) equal to the ones that take it themselves."""
-    from harness.cuda_path_on_cpu import poisoned
-
-    from torchtitan_fp8_moe.fp8 import gemm, torch_quantize
-    from torchtitan_fp8_moe.fp8.kernels import triton_rowwise
-    from torchtitan_fp8_moe.fp8.kernels.triton_per_group import cast_per_group_colwise_pair
-    from torchtitan_fp8_moe.fp8.quantize import FP8_MAX
-
-    torch.manual_seed(0)
-    empty, torch.empty = torch.empty, poisoned(torch.empty)
-    for tokens, cols, ends in CASES:
-        x = (torch.randn(tokens, cols) * torch.logspace(-6, 6, cols)).bfloat16()
-        x[0] = 0
-        grad = (torch.randn(tokens, cols + 9) * torch.logspace(4, -4, cols + 9)).bfloat16()
-        offs = torch.tensor(ends, dtype=torch.int32)
-        groups = gemm.token_groups(offs, tokens)
-        want_scales = torch_quantize.rows(x)[1]
-        want_values = (x.float() * want_scales).clamp(-FP8_MAX, FP8_MAX)
-        want_amax = torch_quantize._amax_per_group(x, groups, offs.numel())
-        want_pair = cast_per_group_colwise_pair(x, grad, offs, torch.float32)
-        # (The interpreter takes ~10 ms a tile: one-row tiles on the shorter cases only.)
-        for tile in GROUP_AMAX_TILES if tokens <= 300 else GROUP_AMAX_TILES[1:2]:
-            case = (tokens, cols, ends, tile)
-            triton_rowwise.GROUP_AMAX_TILE_ROWS, triton_rowwise.GROUP_AMAX_ROW_TILES = tile
-            values, scales, amax = triton_rowwise.cast_rows(
-                x[None], False, torch.float32, offs=offs
-            )
-            assert torch.equal(scales[0], want_scales), case
-            assert torch.equal(values[0], want_values), case
-            assert torch.equal(amax, want_amax), case
-            amax_bits = amax.view(torch.int32)
-        grad_amax = triton_rowwise.cast_rows(grad[None], False, torch.float32, offs=offs)[2]
-        grad_amax_bits = grad_amax.view(torch.int32)
-        for given in ((amax_bits, None), (None, grad_amax_bits), (amax_bits, grad_amax_bits)):
-            got = cast_per_group_colwise_pair(
-                x, grad, offs, torch.float32, a_amax_bits=given[0], grad_amax_bits=given[1]
-            )
-            for got_tensor, want_tensor in zip(got, want_pair, strict=True):
-                assert torch.equal(got_tensor, want_tensor), (tokens, cols, ends)
-    torch.empty = empty
-    # A NaN stays NaN and only where it was, in a tile of one group and one that two share.
-    x = torch.ones(64, 8, dtype=torch.bfloat16)
-    x[5, 3] = x[33, 6] = math.nan
-    offs = torch.tensor([34, 64], dtype=torch.int32)  # rows 32-35 of a 4-row tile: 2 groups
-    for tile in ((1, 32), (4, 4)):
-        triton_rowwise.GROUP_AMAX_TILE_ROWS, triton_rowwise.GROUP_AMAX_ROW_TILES = tile
-        amax = triton_rowwise.cast_rows(x[None], False, torch.float32, offs=offs)[2]
-        assert torch.equal(amax, torch.ones(2, 8)), tile
-        amax_bits = amax.view(torch.int32)
-        values = cast_per_group_colwise_pair(x, x, offs, torch.float32, a_amax_bits=amax_bits)[0]
-        assert values.isnan().nonzero().tolist() == [[5, 3], [33, 6]]
-
-
 # Expert weights [G, K, N]: rows (N) not a multiple of a program's rows (64), K not a power of
 # 2, one group, a single row, N below one transposed tile, K long enough that a program's tile
 # holds fewer rows.
@@ -238,10 +177,6 @@ def _run_interpreted(check: str) -> None:
 
 def test_per_group_colwise_kernel_in_triton_interpreter():
     _run_interpreted("_check_per_group_colwise")
-
-
-def test_row_cast_with_group_amax_in_triton_interpreter():
-    _run_interpreted("_check_rows_with_group_amax")
 
 
 def test_weight_cast_kernels_in_triton_interpreter():

@@ -23,12 +23,6 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_1x128(x)
 
 
-def rows_take_group_amax(x: torch.Tensor) -> bool:
-    """Whether a row cast of x would also take its per-group amax for ``per_group_pair``:
-    never: the weight gradient's 128-token blocks take no group amax."""
-    return False
-
-
 def weight(
     b: torch.Tensor, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

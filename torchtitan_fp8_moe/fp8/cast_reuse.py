@@ -40,10 +40,9 @@ class _Slot:
 
 # One per process, not per thread: on CUDA the backward runs in autograd's device thread, and it
 # must see (and drop) the forward's last cast. Threads that run forward and backward side by
-# side (torchtitan's DualPipeV) share it: forwards keep and take only row casts (``rows``,
-# ``rows_and_group_amax``), backwards only per-group ones, and the key holds the tensor's
-# identity, so neither takes the other's; where one replaces or empties the other's, the other
-# casts again (a miss, never a wrong hit).
+# side (torchtitan's DualPipeV) share it: forwards keep and take only ``rows`` casts, backwards
+# only per-group ones, and the key holds the tensor's identity, so neither takes the other's;
+# where one replaces or empties the other's, the other casts again (a miss, never a wrong hit).
 _slot = _Slot()
 
 
@@ -109,10 +108,10 @@ def discard(cast: Callable) -> None:
         _slot.kept = None
 
 
-def cast_once(cast: Callable, x: torch.Tensor, *others: torch.Tensor):
-    """``cast(x, *others)``, or its kept result for these values."""
-    result = take(cast, x, *others)
+def cast_once(cast: Callable, x: torch.Tensor):
+    """``cast(x)``, or its kept result for these values."""
+    result = take(cast, x)
     if result is None:
-        result = cast(x, *others)
-        keep(cast, x, others, result)
+        result = cast(x)
+        keep(cast, x, (), result)
     return result

@@ -43,22 +43,15 @@ class _Fp8GroupedMM(torch.autograd.Function):
         """``b_payloads``: the four tensors of ``WeightPayloads``, or none to quantize b (through
         ``cached`` if given); with them b carries only its shape and dtype."""
         quantize = recipe.quantizers(emulate)
-        # w1's cast of x serves w3. Where b gets a gradient and the quantizers can, the cast
-        # also takes what the weight gradient's per-group cast of a scales by.
-        if ctx.needs_input_grad[1] and quantize.rows_take_group_amax(a):
-            ctx.row_cast = quantize.rows_and_group_amax
-            a_fp8, a_scale, a_amax = cast_reuse.cast_once(ctx.row_cast, a, offs)
-        else:
-            ctx.row_cast = quantize.rows
-            (a_fp8, a_scale), a_amax = cast_reuse.cast_once(ctx.row_cast, a), None
+        a_fp8, a_scale = cast_reuse.cast_once(quantize.rows, a)  # w1's cast of x serves w3
         if b_payloads:
             b_fp8, b_scale, b_t_fp8, b_t_scale = b_payloads
-            ctx.save_for_backward(a, offs, a_amax, b_t_fp8, b_t_scale)
+            ctx.save_for_backward(a, offs, b_t_fp8, b_t_scale)
         else:
             # The forward cast also gives what the backward's cast of b^T scales by (rowwise:
             # the amax over N), so that cast need not read b for it.
             b_fp8, b_scale, b_state = quantize_weight(b, "forward", quantize.weight, cached)
-            ctx.save_for_backward(a, offs, a_amax, b, b_state)
+            ctx.save_for_backward(a, offs, b, b_state)
         ctx.recipe, ctx.emulate, ctx.cached, ctx.b_dtype = recipe, emulate, cached, b.dtype
         ctx.b_columns = b.shape[0] * b.shape[-1]  # G * N: b's fp8 copy is K * this bytes
         ctx.payload_count = len(b_payloads)
@@ -66,20 +59,16 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, offs, a_amax, *weight_saved = ctx.saved_tensors
+        a, offs, *weight_saved = ctx.saved_tensors
         recipe, emulate = ctx.recipe, ctx.emulate
         quantize = recipe.quantizers(emulate)
         # The last forward's cast, kept for nothing (or, under DualPipeV, the other thread's
         # forward cast: that forward casts again, see cast_reuse.py).
-        cast_reuse.discard(ctx.row_cast)
-        grad_a = grad_b = grad_amax = None
+        cast_reuse.discard(quantize.rows)
+        grad_a = grad_b = None
 
         def weight_grad():
-            # The amaxes the row casts took, if any (only quantizers that take them get them).
-            amaxes = () if a_amax is None and grad_amax is None else (a_amax, grad_amax)
-            a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(
-                a, grad_out, offs, *amaxes
-            )
+            a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(a, grad_out, offs)
             return recipe.grouped_wgrad_mm(
                 a_fp8, a_scales, grad_fp8, grad_scales, offs, ctx.b_dtype, emulate
             )
@@ -88,13 +77,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         if weight_first:
             grad_b = weight_grad()
         if ctx.needs_input_grad[0]:
-            # The input gradient's cast of grad_out also takes its amax for the weight
-            # gradient's, where that comes after.
-            wants_amax = ctx.needs_input_grad[1] and not weight_first
-            wants_amax = wants_amax and quantize.rows_take_group_amax(grad_out)
-            grad_a, grad_amax = _input_grad(
-                ctx, grad_out, a.dtype, offs, weight_saved, quantize, wants_amax
-            )
+            grad_a = _input_grad(ctx, grad_out, a.dtype, offs, weight_saved, quantize)
         if ctx.needs_input_grad[1] and not weight_first:
             grad_b = weight_grad()
         return grad_a, grad_b, None, None, None, None, *([None] * ctx.payload_count)
@@ -114,25 +97,18 @@ def _weight_grad_first(ctx, a, offs, quantize) -> bool:
     )
 
 
-def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize, wants_amax: bool):
-    """``grad_out @ b^T`` in fp8, and grad_out's per-group amax where ``wants_amax`` (else
-    None). A function of its own so that its fp8 copies (the gradient's and the transposed
-    weight's, the size of the weight) are freed before the other gradient's casts allocate
-    theirs: they raised the backward's peak memory above bf16's."""
-    if wants_amax:
-        grad_fp8, grad_scale, grad_amax = quantize.rows_and_group_amax(grad_out, offs)
-    else:
-        (grad_fp8, grad_scale), grad_amax = quantize.rows(grad_out), None
+def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Tensor:
+    """``grad_out @ b^T`` in fp8. A function of its own so that its fp8 copies (the gradient's and
+    the transposed weight's, the size of the weight) are freed before the other gradient's
+    casts allocate theirs: they raised the backward's peak memory above bf16's."""
+    grad_fp8, grad_scale = quantize.rows(grad_out)
     if ctx.payload_count:
         b_t_fp8, b_t_scale = weight_saved
     else:
         b, b_state = weight_saved
         transposed = transposed_quantizer(quantize, b_state)
         b_t_fp8, b_t_scale = quantize_weight(b, "input_grad", transposed, ctx.cached)
-    grad_a = ctx.recipe.grouped_mm(
-        grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, dtype, ctx.emulate
-    )
-    return grad_a, grad_amax
+    return ctx.recipe.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, dtype, ctx.emulate)
 
 
 def fp8_grouped_mm(

@@ -2,9 +2,19 @@
 
 import torch
 
+# Elements per float64 chunk: a whole-tensor float64 copy of a GPT-OSS 120B weight gradient
+# ([128, 5760, 2880]) is 15.8 GiB, which ran an H100 out of memory in the preset benchmark
+# (docs/benchmarks/archive/2026-12-05-h100-group-amax-auto/).
+CHUNK = 1 << 24
+
 
 def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
-    """``20 log10(|reference| / |reference - actual|)`` in dB, computed in float64 (inf when
-    the two are equal)."""
-    reference, actual = reference.double(), actual.double()
-    return (20 * torch.log10(reference.norm() / (reference - actual).norm())).item()
+    """``20 log10(|reference| / |reference - actual|)`` in dB, the sums of squares taken in
+    float64, CHUNK elements at a time (inf when the two are equal)."""
+    signal = noise = torch.zeros((), dtype=torch.float64, device=reference.device)
+    chunks = zip(reference.reshape(-1).split(CHUNK), actual.reshape(-1).split(CHUNK), strict=True)
+    for ref, act in chunks:
+        ref = ref.double()
+        signal = signal + ref.square().sum()
+        noise = noise + (ref - act.double()).square().sum()
+    return (10 * torch.log10(signal / noise)).item()

@@ -11,12 +11,6 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rowwise(x, dim=-1)
 
 
-def rows_take_group_amax(x: torch.Tensor) -> bool:
-    """Whether a row cast of x would also take its per-group amax for ``per_group_pair``:
-    never on the emulated path, the reference: ``per_group_pair`` takes the amax itself."""
-    return False
-
-
 def weight(
     b: torch.Tensor, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

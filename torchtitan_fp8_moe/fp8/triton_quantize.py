@@ -19,12 +19,7 @@ from torchao.prototype.moe_training.kernels import (
 from . import cast_reuse
 from .gemm import column_major
 from .kernels.triton_per_group import per_group_colwise_fp8, per_group_colwise_fp8_pair
-from .kernels.triton_rowwise import (
-    MAX_ROW,
-    rowwise_fp8,
-    rowwise_fp8_with_column_amax,
-    rowwise_fp8_with_group_amax,
-)
+from .kernels.triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
 from .kernels.triton_transposed import transposed_fp8
 from .quantize import FP8_DTYPE, amax_along, rounded
 
@@ -36,28 +31,6 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return triton_fp8_rowwise_2d_scale_and_cast(
         x.contiguous(), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
     )
-
-
-# Whether the row casts of a weight-gradient operand (the forward's of the tokens, the input
-# gradient's of the output gradient) also take its per-group column amax, so that the weight
-# gradient's per-group casts read it once instead of twice. Off until timed on a GPU: the row
-# casts then take 32 rows a program and atomics (``scripts/bench_quantize.py --group-amax``),
-# and a FeedForward's w1 and w3 each cast their input (the kept cast is keyed by the token
-# groups, and each linear call makes its own).
-ROW_CASTS_TAKE_GROUP_AMAX = False
-
-
-def rows_take_group_amax(x: torch.Tensor) -> bool:
-    """Whether a row cast of x would also take its per-group amax for ``per_group_pair``
-    (``rows_and_group_amax``): where switched on and our kernel holds x's rows."""
-    return ROW_CASTS_TAKE_GROUP_AMAX and x.shape[-1] <= MAX_ROW
-
-
-def rows_and_group_amax(x: torch.Tensor, offs: torch.Tensor):
-    """``rows(x)`` and x's per-group column amax for ``per_group_pair`` (groups end at
-    ``offs``; float32 bits in int32, ``[G, K]``), from one read of x. Only where
-    ``rows_take_group_amax(x)``."""
-    return rowwise_fp8_with_group_amax(x, offs)
 
 
 # The forward weight cast takes the amax over N in the same read only for rows (K) longer than
@@ -113,21 +86,13 @@ def _in_kernel_rounding(b: torch.Tensor, round_to: torch.dtype | None):
     return rounded(b, round_to), False
 
 
-def per_group_pair(
-    a: torch.Tensor,
-    grad: torch.Tensor,
-    offs: torch.Tensor,
-    a_amax: torch.Tensor | None = None,
-    grad_amax: torch.Tensor | None = None,
-):
+def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
     """Per-group scales over tokens for the weight-gradient GEMM: ``(a_fp8, a_scales [G, K],
-    grad_fp8, grad_scales [G, N])``, data column-major; by the amaxes ``rows_and_group_amax``
-    took, where given. w3's backward casts the routed tokens for w1's too (``cast_reuse.py``)."""
+    grad_fp8, grad_scales [G, N])``, data column-major. w3's backward casts the routed tokens
+    for w1's too (``cast_reuse.py``)."""
     kept = cast_reuse.take(per_group_pair, a, offs)
     if kept is not None:
-        return (*kept, *per_group_colwise_fp8(grad, offs, grad_amax))
-    a_fp8, a_scales, grad_fp8, grad_scales = per_group_colwise_fp8_pair(
-        a, grad, offs, a_amax, grad_amax
-    )
+        return (*kept, *per_group_colwise_fp8(grad, offs))
+    a_fp8, a_scales, grad_fp8, grad_scales = per_group_colwise_fp8_pair(a, grad, offs)
     cast_reuse.keep(per_group_pair, a, (offs,), (a_fp8, a_scales))
     return a_fp8, a_scales, grad_fp8, grad_scales

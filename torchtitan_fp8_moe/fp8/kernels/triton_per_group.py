@@ -364,14 +364,9 @@ def _per_group_cast_kernel(
 
 def chunk_rows_for(n_rows: int, groups: int, col_blocks: int) -> int:
     """Rows per program: 0 (whole groups, one launch) where one program per (column block,
-    group) already makes TARGET_PROGRAMS programs, else ``_chunk_rows``."""
+    group) already makes TARGET_PROGRAMS programs, else a multiple of BLOCK_ROWS that does."""
     if groups * col_blocks >= TARGET_PROGRAMS:
         return 0
-    return _chunk_rows(n_rows, col_blocks)
-
-
-def _chunk_rows(n_rows: int, col_blocks: int) -> int:
-    """A multiple of BLOCK_ROWS that makes about TARGET_PROGRAMS chunk programs."""
     rows = triton.cdiv(n_rows * col_blocks, TARGET_PROGRAMS)
     # sym_max: under torch.compile the token count may be symbolic (no guard on it).
     return torch.sym_max(BLOCK_ROWS, triton.cdiv(rows, BLOCK_ROWS) * BLOCK_ROWS)
@@ -391,8 +386,6 @@ def cast_per_group_colwise_pair(
     offs: torch.Tensor,
     out_dtype: torch.dtype = FP8_DTYPE,
     chunk_rows: int | None = None,
-    a_amax_bits: torch.Tensor | None = None,
-    grad_amax_bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``a [M, K]`` and ``grad [M, N]`` -> ``(a_out [R, K], a_scales [G, K], grad_out [R, N],
     grad_scales [G, N])``: data column-major, fp32 scales one per (group, column) over the
@@ -400,10 +393,7 @@ def cast_per_group_colwise_pair(
     (``output_rows``). ``out_dtype`` other than fp8 keeps the scaled,
     saturated values uncast (how the tests check the kernels' logic in Triton's CPU interpreter,
     which does not round to fp8 as the GPU does); ``chunk_rows`` overrides ``chunk_rows_for``
-    (tests take both paths, and make chunks span groups, with it). ``a_amax_bits`` /
-    ``grad_amax_bits``: the operand's per-group column amax ``[G, C]`` (float32 bits in int32)
-    where a row cast took it already (``triton_rowwise.rowwise_fp8_with_group_amax``); then the
-    operand is read once, by the cast launch alone."""
+    (tests take both paths, and make chunks span groups, with it)."""
     a, grad = a.contiguous(), grad.contiguous()
     n_rows, a_cols = a.shape
     grad_cols = grad.shape[1]
@@ -413,20 +403,6 @@ def cast_per_group_colwise_pair(
     grad_out = torch.empty((grad_cols, out_rows), dtype=out_dtype, device=a.device).t()
     a_scales = torch.empty((groups, a_cols), dtype=torch.float32, device=a.device)
     grad_scales = torch.empty((groups, grad_cols), dtype=torch.float32, device=a.device)
-    for name, amax_bits, cols in (
-        ("a_amax_bits", a_amax_bits, a_cols),
-        ("grad_amax_bits", grad_amax_bits, grad_cols),
-    ):
-        if amax_bits is not None and (
-            amax_bits.dtype != torch.int32
-            or tuple(amax_bits.shape) != (groups, cols)
-            or not amax_bits.is_contiguous()
-        ):
-            raise ValueError(
-                f"per-group cast: {name} must be the float32 bits of a contiguous [groups, "
-                f"columns] = [{groups}, {cols}] amax in int32 (a row cast's), got "
-                f"{amax_bits.dtype} {list(amax_bits.shape)}"
-            )
     a_col_blocks = triton.cdiv(a_cols, BLOCK_COLS)
     col_blocks = a_col_blocks + triton.cdiv(grad_cols, BLOCK_COLS)
     if not groups or not col_blocks:
@@ -435,37 +411,24 @@ def cast_per_group_colwise_pair(
         chunk_rows = chunk_rows_for(n_rows, groups, col_blocks)
     limits = dict(FP8_LIMIT=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, num_warps=NUM_WARPS)
     tile = dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
-    amax_given = a_amax_bits is not None or grad_amax_bits is not None
-    if chunk_rows == 0 and not amax_given:
+    if chunk_rows == 0:
         launcher(_per_group_whole_kernel, a)[(col_blocks, groups)](
             a, grad, a_out, grad_out, a_scales, grad_scales, offs, out_rows, a_cols, grad_cols,
             a_col_blocks, groups, DESCENDING=WHOLE_GROUP_DESCENDING, **limits, **tile,
         )  # fmt: skip
         return a_out, a_scales, grad_out, grad_scales
-    if chunk_rows == 0:  # whole groups, but with an amax given the cast launch does the work
-        chunk_rows = _chunk_rows(n_rows, col_blocks)
-    # At least one chunk: the cast launch's first chunk writes every group's scales.
-    chunks = torch.sym_max(1, triton.cdiv(n_rows, chunk_rows))
-    # The operands whose amax is not given (a's columns, grad's or both) get it in one launch.
-    missing_a = a if a_amax_bits is None else a[:, :0]
-    missing_grad = grad if grad_amax_bits is None else grad[:, :0]
     # A zeroed buffer of its own per tensor: the kernels write them by atomic max. (Slices of
     # one buffer, as before, were cloned by inductor's functionalization of the triton op from
     # outside the slice's storage: the second operand's amax started from other memory, and
     # the compiled trainer's weight gradients came out wrong, docs/limitations.md.)
-    a_amax = torch.zeros(groups * missing_a.shape[1], dtype=torch.int32, device=a.device)
-    grad_amax = torch.zeros(groups * missing_grad.shape[1], dtype=torch.int32, device=a.device)
-    missing_a_blocks = triton.cdiv(missing_a.shape[1], BLOCK_COLS)
-    missing_blocks = missing_a_blocks + triton.cdiv(missing_grad.shape[1], BLOCK_COLS)
-    if missing_blocks:
-        launcher(_per_group_amax_kernel, a)[(missing_blocks, chunks)](
-            missing_a, missing_grad, a_amax, grad_amax, offs, missing_a.shape[1],
-            missing_grad.shape[1], missing_a_blocks, groups, chunk_rows, num_warps=NUM_WARPS,
-            BLOCK_GROUPS=BLOCK_GROUPS, **tile,
-        )  # fmt: skip
-    a_amax = a_amax if a_amax_bits is None else a_amax_bits
-    grad_amax = grad_amax if grad_amax_bits is None else grad_amax_bits
-    grid = (col_blocks, chunks)
+    a_amax = torch.zeros(groups * a_cols, dtype=torch.int32, device=a.device)
+    grad_amax = torch.zeros(groups * grad_cols, dtype=torch.int32, device=a.device)
+    # At least one chunk: the cast launch's first chunk writes every group's scales.
+    grid = (col_blocks, torch.sym_max(1, triton.cdiv(n_rows, chunk_rows)))
+    launcher(_per_group_amax_kernel, a)[grid](
+        a, grad, a_amax, grad_amax, offs, a_cols, grad_cols, a_col_blocks, groups, chunk_rows,
+        num_warps=NUM_WARPS, BLOCK_GROUPS=BLOCK_GROUPS, **tile,
+    )  # fmt: skip
     launcher(_per_group_cast_kernel, a)[grid](
         a, grad, a_out, grad_out, a_amax, grad_amax, a_scales, grad_scales, offs, out_rows,
         a_cols, grad_cols, a_col_blocks, groups, chunk_rows, BLOCK_GROUPS=BLOCK_GROUPS,
@@ -475,25 +438,17 @@ def cast_per_group_colwise_pair(
 
 
 def _colwise_fp8_pair(
-    a: torch.Tensor,
-    grad: torch.Tensor,
-    offs: torch.Tensor,
-    a_amax_bits: torch.Tensor | None = None,
-    grad_amax_bits: torch.Tensor | None = None,
+    a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weight gradient's operands: ``(a_fp8, a_scales [G, K], grad_fp8, grad_scales [G, N])``,
-    data column-major; each by its given per-group amax, if any."""
-    return cast_per_group_colwise_pair(
-        a, grad, offs, a_amax_bits=a_amax_bits, grad_amax_bits=grad_amax_bits
-    )
+    data column-major."""
+    return cast_per_group_colwise_pair(a, grad, offs)
 
 
-def _colwise_fp8(
-    x: torch.Tensor, offs: torch.Tensor, amax_bits: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _colwise_fp8(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One operand's cast (the other's came from ``cast_reuse.py``): a pair whose first tensor
     has no columns."""
-    return cast_per_group_colwise_pair(x[:, :0], x, offs, grad_amax_bits=amax_bits)[2:]
+    return cast_per_group_colwise_pair(x[:, :0], x, offs)[2:]
 
 
 per_group_colwise_fp8_pair = compile_triton("per_group_colwise_fp8_pair", _colwise_fp8_pair)

@@ -21,7 +21,6 @@ import triton.language as tl
 
 from ..opaque import compile_triton, launcher
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
-from .triton_per_group import BLOCK_GROUPS
 from .triton_rules import as_float32, pow2_scale, saturate
 
 # Rows up to this many elements fit one program's registers; longer rows are not supported here.
@@ -51,23 +50,6 @@ FP32_MAX_TILE, FP32_ROW_TILES = 16384, 32
 # `scripts/bench_quantize.py --rows-sweep`, docs/benchmarks/archive/2026-12-05-cast-tiles/).
 ROWS_TILE_ROWS, ROWS_ROW_TILES, ROWS_WARPS = 1, 1, None
 MASKED_ROWS_WARPS = 4
-# Row casts that also take the token groups' column amax (``cast_rows`` with ``offs``): rows
-# per tile and tiles per program. A program writes its amax by atomic max once per group it
-# holds, so it takes many rows; one warp per 512 elements of a tile (the column amax beside the
-# tile: with 4 warps, rows of 5120 spill registers for sm_90, ``scripts/kernel_resources.py``).
-# Not yet timed on a GPU.
-GROUP_AMAX_TILE_ROWS, GROUP_AMAX_ROW_TILES = 1, 32
-
-
-@triton.jit
-def _flush_group_amax(amax_bits_ptr, amax, group, groups, n_cols, cols, col_mask):
-    """Atomic max of ``amax`` into group ``group``'s row of the buffer; none for ``groups``
-    (rows of no group). A non-negative float's bits order as the float does."""
-    tl.atomic_max(
-        amax_bits_ptr + group.to(tl.int64) * n_cols + cols,
-        amax.to(tl.int32, bitcast=True),
-        mask=col_mask & (cols * 0 + group < groups),  # a [BLOCK] mask (the interpreter)
-    )
 
 
 @triton.jit
@@ -76,33 +58,23 @@ def _rowwise_fp8_kernel(
     out_ptr,
     scale_ptr,
     column_amax_ptr,
-    offs_ptr,
     n_rows,
     n_cols,
-    token_groups,
     FP8_LIMIT: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
     BLOCK: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     ROW_TILES: tl.constexpr,
     COLUMN_AMAX: tl.constexpr,
-    GROUP_AMAX: tl.constexpr,
     ROUND_TO_BF16: tl.constexpr,
-    BLOCK_GROUPS: tl.constexpr,
 ):
     """Rows of group ``program_id(1)`` (``n_rows`` rows of ``n_cols``); with COLUMN_AMAX also
     the group's amax over its rows per column, as float32 bits in int32; with ROUND_TO_BF16 of
-    the values rounded to bf16. With GROUP_AMAX (one group of rows) also each token group's
-    amax per column (token groups end at ``offs``; rows past the last end are in none), by
-    atomic max into ``column_amax [token_groups, n_cols]``: a program keeps the amax of the
-    token group its tiles are in, in registers, and writes it when the group changes and at
-    its end."""
+    the values rounded to bf16."""
     group = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
     column_amax = tl.zeros((BLOCK,), dtype=tl.int32)
-    group_amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    held = tl.program_id(0) * 0 + token_groups  # the token group of group_amax (none yet)
     first_row = tl.program_id(0) * ROW_TILES * TILE_ROWS
     rows = first_row + tl.arange(0, TILE_ROWS)
     x = tl.load(
@@ -136,41 +108,10 @@ def _rowwise_fp8_kernel(
             # infinity's: an integer max keeps NaN, whatever the float max would do with it.
             bits = magnitude.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # whatever abs does to NaN
             column_amax = tl.maximum(column_amax, tl.max(bits, axis=0))
-        if GROUP_AMAX:
-            # Each row's token group: how many group ends are <= it. Loaded here, not in a
-            # helper: the groups lead to the atomics' addresses (torch 2.11, see
-            # triton_per_group.py).
-            row_group = tl.zeros((TILE_ROWS,), dtype=tl.int32)
-            for first in range(0, token_groups, BLOCK_GROUPS):
-                index = first + tl.arange(0, BLOCK_GROUPS)
-                ends = tl.load(offs_ptr + index, mask=index < token_groups, other=2147483647)
-                row_group += tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
-            row_group = tl.where(row_mask, row_group, token_groups)
-            lowest = tl.min(row_group, axis=0)
-            if lowest == tl.max(row_group, axis=0):
-                if lowest != held:
-                    _flush_group_amax(
-                        column_amax_ptr, group_amax, held, token_groups, n_cols, cols, col_mask
-                    )
-                    group_amax = tl.zeros((BLOCK,), dtype=tl.float32)
-                    held = lowest
-                # The per-group casts' own amax (triton_per_group.py): tl.max, which skips NaN.
-                group_amax = tl.maximum(group_amax, tl.max(magnitude, axis=0))
-            else:
-                # A tile of several token groups (ends not a multiple of TILE_ROWS): per
-                # element, NaN dropped as tl.max drops it.
-                kept = tl.where(magnitude == magnitude, magnitude, 0.0)
-                tl.atomic_max(
-                    column_amax_ptr + row_group.to(tl.int64)[:, None] * n_cols + cols[None, :],
-                    kept.to(tl.int32, bitcast=True),
-                    mask=(row_group < token_groups)[:, None] & col_mask[None, :],
-                )
         if ROW_TILES > 1:
             x = x_next
     if COLUMN_AMAX:
         tl.atomic_max(column_amax_ptr + group * n_cols + cols, column_amax, mask=col_mask)
-    if GROUP_AMAX:
-        _flush_group_amax(column_amax_ptr, group_amax, held, token_groups, n_cols, cols, col_mask)
 
 
 def cast_rows(
@@ -178,15 +119,10 @@ def cast_rows(
     column_amax: bool,
     out_dtype: torch.dtype = FP8_DTYPE,
     round_to_bf16: bool = False,
-    offs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``x [G, R, C]`` -> ``out_dtype [G, R, C]``, fp32 scales ``[G, R, 1]`` (per row over C),
     and with ``column_amax`` each group's amax of |x| over its rows, ``[G, C]`` float32 (NaN
     if the column holds one); with ``round_to_bf16``, all of it of ``x.bfloat16()``'s values.
-    With ``offs`` (x one group of rows, ``[1, M, C]``) instead each token group's amax of |x|
-    per column over its rows, ``[T, C]`` float32 (token groups end at ``offs``; NaN skipped, as
-    the weight gradient's per-group casts skip it): what those casts scale x by
-    (``triton_per_group.py``), taken in the row cast's read of x.
     ``out_dtype`` other than fp8 keeps the scaled, saturated values uncast (how the tests check
     the kernel in Triton's CPU interpreter, which does not round to fp8 as the GPU does)."""
     groups, n_rows, n_cols = x.shape
@@ -195,21 +131,14 @@ def cast_rows(
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     scales = torch.empty((groups, n_rows, 1), dtype=torch.float32, device=x.device)
-    # Without an amax the kernel never touches the amax buffer or the group ends: scales stands
-    # in for them.
-    amax_rows = offs.numel() if offs is not None else groups if column_amax else None
+    # Without column_amax the kernel never touches the amax buffer: scales stands in for it.
     amax_bits = (
-        None
-        if amax_rows is None
-        else torch.zeros((amax_rows, n_cols), dtype=torch.int32, device=x.device)
+        torch.zeros((groups, n_cols), dtype=torch.int32, device=x.device) if column_amax else None
     )
     if x.numel():
         block = triton.next_power_of_2(n_cols)
         tile_rows, row_tiles = ROWS_TILE_ROWS, ROWS_ROW_TILES
-        if offs is not None:
-            tile_rows, row_tiles = GROUP_AMAX_TILE_ROWS, GROUP_AMAX_ROW_TILES
-            num_warps = _warps_per_tile(block, tile_rows)
-        elif column_amax:
+        if column_amax:
             max_tile, row_tiles = (
                 (FP32_MAX_TILE, FP32_ROW_TILES) if x.element_size() == 4 else (MAX_TILE, ROW_TILES)
             )
@@ -223,19 +152,15 @@ def cast_rows(
             out,
             scales,
             scales if amax_bits is None else amax_bits,
-            scales if offs is None else offs,
             n_rows,
             n_cols,
-            0 if offs is None else offs.numel(),
             FP8_LIMIT=FP8_MAX,
             AMAX_FLOOR=AMAX_FLOOR,
             BLOCK=block,
             TILE_ROWS=tile_rows,
             ROW_TILES=row_tiles,
             COLUMN_AMAX=column_amax,
-            GROUP_AMAX=offs is not None,
             ROUND_TO_BF16=round_to_bf16,
-            BLOCK_GROUPS=BLOCK_GROUPS,
             num_warps=num_warps,
         )
     return out, scales, None if amax_bits is None else amax_bits.view(torch.float32)
@@ -268,19 +193,7 @@ def _rowwise_fp8_with_column_amax(
     return cast_rows(x, column_amax=True, round_to_bf16=round_to_bf16)
 
 
-def _rowwise_fp8_with_group_amax(
-    x: torch.Tensor, offs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [M, C]`` -> fp8 ``[M, C]``, scales ``[M, 1]`` and the token groups' column amax
-    ``[G, C]`` (float32 bits in int32, as the per-group casts take it), from one read of x."""
-    out, scales, amax = cast_rows(x[None], column_amax=False, offs=offs)
-    return out[0], scales[0], amax.view(torch.int32)
-
-
 rowwise_fp8 = compile_triton("rowwise_fp8", _rowwise_fp8)
 rowwise_fp8_with_column_amax = compile_triton(
     "rowwise_fp8_with_column_amax", _rowwise_fp8_with_column_amax
-)
-rowwise_fp8_with_group_amax = compile_triton(
-    "rowwise_fp8_with_group_amax", _rowwise_fp8_with_group_amax
 )

@@ -2,11 +2,8 @@
 
 A recipe owns, for the forward, input-gradient and weight-gradient GEMMs of ``b [G, K, N]``:
 - the scale granularity of each operand and the quantizers that produce it, CUDA and emulated
-  (``quantizers``: a namespace of ``rows``, ``rows_take_group_amax`` (whether a row cast can
-  also take the per-group amax that ``per_group_pair`` scales by; where it can,
-  ``rows_and_group_amax`` does, and ``per_group_pair`` takes the amaxes as two more arguments),
-  ``weight``, ``weight_transposed``, ``per_group_pair``, looked up at call time so that tests
-  and checks can wrap them);
+  (``quantizers``: a namespace of ``rows``, ``weight``, ``weight_transposed``,
+  ``per_group_pair``, looked up at call time so that tests and checks can wrap them);
 - the scaled GEMM calls (``grouped_mm``, ``grouped_wgrad_mm``);
 - the FSDP all-gather payload layout (``payload_scale_shapes``) and when a shard cannot
   quantize alone (``all_gather_fallback``);
