@@ -93,14 +93,11 @@ def rows(width: int, arch: int) -> list[dict]:
         dict(BLOCK=block, **tile, **flags), warps)  # fmt: skip
     # Weight casts (rows of the stored weight, with the other orientation's amax): the shipped
     # bf16 and fp32 tiles and one-row tiles.
-    for dtype, max_tile, row_tiles, round_to_bf16 in (
-        ("bf16", rowwise.MAX_TILE, rowwise.ROW_TILES, False),
-        ("fp32", rowwise.FP32_MAX_TILE, rowwise.FP32_ROW_TILES, True),
-    ):
-        shipped_rows = max(1, min(rowwise.TILE_ROWS, max_tile // block))
-        for tile_rows, tiles in ((shipped_rows, row_tiles), (1, 32), (1, 64)):
+    for dtype, element_size, round_to_bf16 in (("bf16", 2, False), ("fp32", 4, True)):
+        shipped = rowwise.weight_tile(block, element_size)
+        for tile_rows, tiles in (shipped, (1, 32), (1, 64)):
             name = f"weight {dtype}, {tile_rows} x {tiles}"
-            if (tile_rows, tiles) == (shipped_rows, row_tiles):
+            if (tile_rows, tiles) == shipped:
                 name += ", shipped"
             add(name, rowwise._rowwise_fp8_kernel, {**ROWS_SIGNATURE, "x_ptr": f"*{dtype}"},
                 dict(BLOCK=block, TILE_ROWS=tile_rows, ROW_TILES=tiles, COLUMN_AMAX=True,

@@ -31,3 +31,8 @@ def test_sqnr_is_inf_for_equal_tensors_and_falls_with_the_noise():
     assert sqnr(x, x.clone()) == math.inf
     assert sqnr(x, x * 1.001) == pytest.approx(60.0, abs=1e-6)
     assert sqnr(x, x * 1.1) == pytest.approx(20.0, abs=1e-6)
+
+
+def test_sqnr_refuses_tensors_of_other_shapes_with_as_many_elements():
+    with pytest.raises(ValueError, match="differ in shape"):
+        sqnr(torch.randn(2, 3), torch.randn(3, 2))

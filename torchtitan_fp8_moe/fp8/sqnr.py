@@ -10,7 +10,13 @@ CHUNK = 1 << 24
 
 def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
     """``20 log10(|reference| / |reference - actual|)`` in dB, the sums of squares taken in
-    float64, CHUNK elements at a time (inf when the two are equal)."""
+    float64, CHUNK elements at a time (inf when the two are equal). The shapes must match:
+    the chunks pair elements by position."""
+    if reference.shape != actual.shape:
+        raise ValueError(
+            f"sqnr: reference {list(reference.shape)} and actual {list(actual.shape)} "
+            "differ in shape"
+        )
     signal = noise = torch.zeros((), dtype=torch.float64, device=reference.device)
     chunks = zip(reference.reshape(-1).split(CHUNK), actual.reshape(-1).split(CHUNK), strict=True)
     for ref, act in chunks:

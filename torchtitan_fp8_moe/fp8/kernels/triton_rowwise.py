@@ -139,10 +139,7 @@ def cast_rows(
         block = triton.next_power_of_2(n_cols)
         tile_rows, row_tiles = ROWS_TILE_ROWS, ROWS_ROW_TILES
         if column_amax:
-            max_tile, row_tiles = (
-                (FP32_MAX_TILE, FP32_ROW_TILES) if x.element_size() == 4 else (MAX_TILE, ROW_TILES)
-            )
-            tile_rows = max(1, min(TILE_ROWS, max_tile // block))
+            tile_rows, row_tiles = weight_tile(block, x.element_size())
             num_warps = _warps_per_tile(block, tile_rows)
         else:
             num_warps = _rows_warps(n_cols, block, tile_rows)
@@ -164,6 +161,15 @@ def cast_rows(
             num_warps=num_warps,
         )
     return out, scales, None if amax_bits is None else amax_bits.view(torch.float32)
+
+
+def weight_tile(block: int, element_size: int) -> tuple[int, int]:
+    """(rows per tile, tiles per program) of a weight cast of rows padded to ``block`` lanes:
+    the fp32 or bf16 tile, capped at that tile's elements."""
+    max_tile, row_tiles = (
+        (FP32_MAX_TILE, FP32_ROW_TILES) if element_size == 4 else (MAX_TILE, ROW_TILES)
+    )
+    return max(1, min(TILE_ROWS, max_tile // block)), row_tiles
 
 
 def _warps_per_tile(block: int, tile_rows: int) -> int:
