@@ -9,6 +9,7 @@ the w1/w2 rows of a model cover both) it times, on operands quantized beforehand
 
 - ``bf16``: ``torch._grouped_mm`` (what an unconverted model runs);
 - ``torch_rowwise``: ``torch._scaled_grouped_mm`` on float8_moe's quantizers' operands (its kernel);
+- ``torch_rowwise_3d_2d``: the same kernel on the transposed product ``W_g . x_g^T``;
 - ``torch_rowwise_per_group``: one dense ``torch._scaled_mm`` per group, group bounds read on the
   host beforehand (what a caller that synced once per layer could run);
 - ``torch_rowwise_dense``: one dense ``_scaled_mm`` of all M rows by one expert: the same FLOPs
@@ -18,7 +19,7 @@ the w1/w2 rows of a model cover both) it times, on operands quantized beforehand
 - ``fbgemm_blockwise``: fbgemm-gpu-genai's CUTLASS ``f8f8bf16_groupwise_grouped`` (1x128 / 128x128);
 - and the weight-gradient GEMM (``dW_g^T = dy_g^T . x_g``, over each group's tokens, as
   float8_moe computes it, on float8_moe's quantizers' operands): bf16, torch_rowwise,
-  torch_rowwise_per_group.
+  torch_rowwise_swapped (``x_g^T . dy_g``), torch_rowwise_per_group.
 
 Each result is checked against the bf16 product (SQNR, dB) before it is timed; a backend that does
 not import or fails on this machine is reported with its error. Times are triton ``do_bench``
@@ -115,6 +116,17 @@ def _forward_backends(x, w_nk, sizes, offs):
             out_dtype=torch.bfloat16,
             use_fast_accum=True,
         ),
+        # The same product transposed, ``W_g . x_g^T`` ([N, M], offsets along M): torch's
+        # 3d x 2d form, whose kernel takes the experts' N as its M.
+        "torch_rowwise_3d_2d": lambda: torch._scaled_grouped_mm(
+            b.transpose(-2, -1),
+            a.t(),
+            b_inverse.squeeze(-2),
+            a_inverse.squeeze(-1),
+            offs=offs,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        ).t(),
         "torch_rowwise_per_group": _per_group_forward(a, a_inverse, b, b_inverse, sizes),
         # One dense GEMM of all M rows by expert 0: the rate the grouped GEMM could reach.
         "torch_rowwise_dense": lambda: _dense(a, b[0], a_inverse, b_inverse[0]),
@@ -202,6 +214,16 @@ def _wgrad_backends(x, dy, offs, sizes):
             out_dtype=torch.bfloat16,
             use_fast_accum=True,
         ),
+        # The transposed product ``x_g^T . dy_g`` ([G, K, N]): the operands' roles swapped.
+        "torch_rowwise_swapped": lambda: torch._scaled_grouped_mm(
+            xq.t(),
+            gq,
+            xs_inverse.reshape(-1),
+            gs_inverse.reshape(-1),
+            offs=offs,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        ).transpose(-2, -1),
         "torch_rowwise_per_group": per_group,
     }
 
