@@ -52,6 +52,9 @@ SHAPES = {
     "scout_16e_w1": (16384, 16, 5120, 8192),
     "scout_16e_w2": (16384, 16, 8192, 5120),
     "scout_16e_64k_w1": (65536, 16, 5120, 8192),
+    # scripts/bench_train.py's Scout-width trainer: 4 x 8192 tokens a step, top 1.
+    "scout_16e_32k_w1": (32768, 16, 5120, 8192),
+    "scout_16e_32k_w2": (32768, 16, 8192, 5120),
 }
 QUICK = ("scout_tp8_w1", "qwen3_30b_w1", "dsv3_16e_w1")
 FP8 = torch.float8_e4m3fn
