@@ -129,6 +129,9 @@ def test_one_gpu_trainer_configs_get_the_policy_verdicts_benchmarked(
     assert len(bf16_rows) == kept, out
     totals = f"totals: {converted} converted weights"
     assert totals + (f" ({kept} kept in bf16 by the auto policy)" if kept else ",") in out, out
+    # auto's verdicts come with the GPU their cost model was fit on.
+    calibrated = "policy auto (its cost model is fit on an H200 with torch 2.11"
+    assert (calibrated in out) == (policy == "auto"), out
 
 
 @pytest.mark.slow  # the command line in a process of its own: about 12 s of imports

@@ -34,6 +34,11 @@ class CostModel:
     call_overhead: float
 
 
+# What the converter's log says of the fit below under policy "auto".
+CALIBRATION = (
+    "its cost model is fit on an H200 with torch 2.11: on another GPU compare tokens/s with "
+    "bf16's, docs/limitations.md"
+)
 # scripts/fit_policy.py on docs/benchmarks/presets/h200.json (torch 2.11, H200, 2026-12-03).
 H200 = {
     "eager": CostModel(

@@ -40,7 +40,7 @@ from torchtitan.tools.utils import set_default_dtype
 
 from . import converter as converter_module
 from .converter import Float8MoEConverter
-from .run_checks import check_cpu_context_parallelism
+from .run_checks import check_cpu_context_parallelism, describe_policy
 from .sharding import expert_fsdp_degree, format_plan, plan_expert_weight
 
 EXIT_OK = 0
@@ -421,7 +421,8 @@ def describe_float8_moe(converter: Float8MoEConverter | None, dims: ParallelDims
     )
     return [
         f"float8_moe: {converter.recipe.description}, fqns {converter.fqns}, {converter.path} "
-        f"path ({converter.path_reason}), policy {converter.policy}; FSDP shard plan for "
+        f"path ({converter.path_reason}), {describe_policy(converter.policy, converter.path)}; "
+        "FSDP shard plan for "
         f"{dims.world_size} ranks:",
         format_plan(plan),
         f"totals: {converted} converted weights{kept}, {padding_bytes} padding bytes "

@@ -7,6 +7,7 @@ import torch
 import torch._inductor.config
 from torchtitan.tools.logging import logger
 
+from .policy import CALIBRATION
 from .sharding import ShardPlanRow, format_plan
 from .weight import fp8_kernels_available
 
@@ -19,8 +20,9 @@ def choose_fp8_path(emulate: bool, plan_target: str | None) -> tuple[bool, str, 
         return True, "emulated", "emulate = true" if emulate else "no CUDA device"
     if plan_target == "cuda":
         return False, "cuda", "planned for CUDA, fp8 support of the GPUs not checked"
-    if fp8_kernels_available(torch.device("cuda", torch.cuda.current_device())):
-        return False, "cuda", "fp8 tensor cores"
+    device = torch.device("cuda", torch.cuda.current_device())
+    if fp8_kernels_available(device):
+        return False, "cuda", f"fp8 tensor cores, {torch.cuda.get_device_name(device)}"
     raise ValueError(
         "float8_moe: this GPU has no fp8 tensor cores (they need sm89+); set "
         "`[float8_moe] emulate = true` to train with emulated fp8 numerics"
@@ -65,6 +67,12 @@ def check_data_parallelism(parallel_dims) -> None:
         )
 
 
+def describe_policy(policy: str, path: str) -> str:
+    """The policy as the logs name it: auto decides only on CUDA, from a cost model fit on one
+    GPU (``policy.py``), which the text says."""
+    return f"policy {policy}" + (f" ({CALIBRATION})" if policy == "auto" and path == "cuda" else "")
+
+
 def conversion_message(
     plan: list[ShardPlanRow],
     modules: int,
@@ -81,7 +89,7 @@ def conversion_message(
     kept = len(plan) - len(fp8_rows)
     text = (
         f"float8_moe: converted {len(fp8_rows)} expert weights of {modules} modules to "
-        f"{recipe_description}, {path} path ({path_reason}), policy {policy}"
+        f"{recipe_description}, {path} path ({path_reason}), {describe_policy(policy, path)}"
         + (
             f" (kept {kept} in bf16 at {tokens} tokens per rank and micro-batch, the plan says "
             'why; policy = "always" forces fp8)'
