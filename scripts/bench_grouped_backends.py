@@ -110,25 +110,11 @@ def _forward_backends(x, w_nk, sizes, offs):
     a_inverse, b_inverse = a_scale.reciprocal(), b_scale.reciprocal()
     backends = {
         "bf16": lambda: torch._grouped_mm(x, w_nk.transpose(-2, -1), offs=offs),
-        "torch_rowwise": lambda: torch._scaled_grouped_mm(
-            a,
-            b,
-            a_inverse.squeeze(-1),
-            b_inverse.squeeze(-2),
-            offs=offs,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=True,
-        ),
+        "torch_rowwise": lambda: _grouped(a, b, a_inverse.squeeze(-1), b_inverse.squeeze(-2), offs),
         # The same product transposed, ``W_g . x_g^T`` ([N, M], offsets along M): torch's
         # 3d x 2d form, whose kernel takes the experts' N as its M.
-        "torch_rowwise_3d_2d": lambda: torch._scaled_grouped_mm(
-            b.transpose(-2, -1),
-            a.t(),
-            b_inverse.squeeze(-2),
-            a_inverse.squeeze(-1),
-            offs=offs,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=True,
+        "torch_rowwise_3d_2d": lambda: _grouped(
+            b.transpose(-2, -1), a.t(), b_inverse.squeeze(-2), a_inverse.squeeze(-1), offs
         ).t(),
         "torch_rowwise_per_group": _per_group_forward(a, a_inverse, b, b_inverse, sizes),
         # One dense GEMM of all M rows by expert 0: the rate the grouped GEMM could reach.
@@ -163,6 +149,13 @@ def _forward_backends(x, w_nk, sizes, offs):
 def _dense(a, b, a_inverse, b_inverse, out=None):
     return torch._scaled_mm(
         a, b, a_inverse, b_inverse, out_dtype=torch.bfloat16, use_fast_accum=True, out=out
+    )
+
+
+def _grouped(a, b, a_inverse, b_inverse, offs):
+    """torch's fp8 grouped GEMM as float8_moe calls it: bf16 out, fast accumulation."""
+    return torch._scaled_grouped_mm(
+        a, b, a_inverse, b_inverse, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True
     )
 
 
@@ -208,24 +201,12 @@ def _wgrad_backends(x, dy, offs, sizes):
 
     return {
         "bf16": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
-        "torch_rowwise": lambda: torch._scaled_grouped_mm(
-            gq.t(),
-            xq,
-            gs_inverse.reshape(-1),
-            xs_inverse.reshape(-1),
-            offs=offs,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=True,
+        "torch_rowwise": lambda: _grouped(
+            gq.t(), xq, gs_inverse.reshape(-1), xs_inverse.reshape(-1), offs
         ),
         # The transposed product ``x_g^T . dy_g`` ([G, K, N]): the operands' roles swapped.
-        "torch_rowwise_swapped": lambda: torch._scaled_grouped_mm(
-            xq.t(),
-            gq,
-            xs_inverse.reshape(-1),
-            gs_inverse.reshape(-1),
-            offs=offs,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=True,
+        "torch_rowwise_swapped": lambda: _grouped(
+            xq.t(), gq, xs_inverse.reshape(-1), gs_inverse.reshape(-1), offs
         ).transpose(-2, -1),
         "torch_rowwise_per_group": per_group,
     }

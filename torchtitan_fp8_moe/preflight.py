@@ -422,8 +422,7 @@ def describe_float8_moe(converter: Float8MoEConverter | None, dims: ParallelDims
     return [
         f"float8_moe: {converter.recipe.description}, fqns {converter.fqns}, {converter.path} "
         f"path ({converter.path_reason}), {describe_policy(converter.policy, converter.path)}; "
-        "FSDP shard plan for "
-        f"{dims.world_size} ranks:",
+        f"FSDP shard plan for {dims.world_size} ranks:",
         format_plan(plan),
         f"totals: {converted} converted weights{kept}, {padding_bytes} padding bytes "
         f"({_size(padding_bytes)}) all-gathered per step over all ranks",
