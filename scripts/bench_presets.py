@@ -1,9 +1,11 @@
 """torchtitan's MoE layer, forward + backward, at the per-GPU shapes of real runs: bf16, torchao
 0.18's fp8 rowwise path and float8_moe (rowwise; ``float8_moe_auto``: the default policy;
-``float8_moe_blockwise``: the blockwise recipe), eager and compiled.
+``float8_moe_measure``: the policy that times each weight; ``float8_moe_blockwise``: the
+blockwise recipe), eager and compiled.
 
     python scripts/bench_presets.py [--presets P,..] [--tokens 16384,..] [--modes eager,compiled]
-        [--impls bf16,torchao,float8_moe,float8_moe_auto,float8_moe_blockwise] [--rounds 3]
+        [--impls bf16,torchao,float8_moe,float8_moe_auto,float8_moe_measure,float8_moe_blockwise]
+        [--rounds 3]
         [--iters 10] [--label cold]
         [--budget-s S] [--profile] [--out outputs/benchmarks/presets.json] [--append]
     python scripts/bench_presets.py --list        # the presets and their per-rank shapes
@@ -60,10 +62,18 @@ from torchtitan_fp8_moe.fp8 import recipe_named
 BLOCKWISE = recipe_named("blockwise")
 
 # float8_moe_auto: the converter's default policy (torchtitan_fp8_moe/policy.py), which keeps in
-# bf16 the weights whose fp8 GEMMs it estimates slower at the case's tokens and mode.
+# bf16 the weights whose fp8 GEMMs it estimates slower at the case's tokens and mode (on an H200;
+# on other GPUs it times them, as float8_moe_measure does everywhere: measure.py).
 # float8_moe_blockwise: every expert weight in the blockwise recipe (token groups aligned to its
 # 128-token blocks).
-IMPLS = ("bf16", "torchao", "float8_moe", "float8_moe_auto", "float8_moe_blockwise")
+IMPLS = (
+    "bf16",
+    "torchao",
+    "float8_moe",
+    "float8_moe_auto",
+    "float8_moe_measure",
+    "float8_moe_blockwise",
+)
 MODES = ("eager", "compiled")
 # Llama4's MoE hidden dim: 4 * 5120 * 2/3 * 1.2 split over top_k + shared = 2 experts, rounded up
 # to multiple_of 2048 (torchtitan llama4 model.py, auto_scale_hidden_dim).
@@ -177,13 +187,20 @@ def convert(layer: nn.Module, impl: str, emulate: bool, tokens: int, mode: str) 
         _to_torchao(layer.experts)  # in place
     elif impl == "float8_moe":
         _to_float8_moe(layer, emulate=emulate)
-    elif impl == "float8_moe_auto":
+    elif impl in ("float8_moe_auto", "float8_moe_measure"):
         import torchtitan_fp8_moe
 
+        policy = impl.removeprefix("float8_moe_")
+        start = time.perf_counter()
         plan = torchtitan_fp8_moe.convert(
-            layer, emulate=emulate, policy="auto", tokens=tokens, compiled=mode == "compiled"
+            layer, emulate=emulate, policy=policy, tokens=tokens, compiled=mode == "compiled"
         )
-        print(f"  auto policy, {tokens} tokens, {mode}:", *{r.path for r in plan}, flush=True)
+        seconds = time.perf_counter() - start  # where the policy times the weights: that time
+        print(
+            f"  {policy} policy, {tokens} tokens, {mode} ({seconds:.1f} s):",
+            *{r.path for r in plan},
+            flush=True,
+        )
     elif impl == "float8_moe_blockwise":
         import torchtitan_fp8_moe
 

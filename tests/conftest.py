@@ -13,7 +13,7 @@ _launch_cache: dict[tuple[str, int], list[dict]] = {}
 # Suites that share one launch at a world size (each process start costs seconds on 2 cores).
 # The torchao seed suite goes last: it leaves the ranks out of step by design.
 SHARED_LAUNCHES = {
-    2: "fsdp+cache_writes+fp8_all_gather",
+    2: "fsdp+cache_writes+fp8_all_gather+measure",
     3: "fsdp+llama4+fp8_all_gather",
     4: "fsdp+parallel",
     8: "fsdp+torchao_seed",

@@ -479,3 +479,26 @@ def test_compiled_chunked_per_group_cast_equals_eager():
                 if x.dtype.itemsize == 1:
                     x, y = x.view(torch.uint8), y.view(torch.uint8)
                 assert torch.equal(x, y)
+
+
+def test_timing_policy_keeps_fp8_where_it_pays_on_this_gpu():
+    """measure.py on the GPU: Scout's routed w1 and w3 at 64K tokens (fp8 1.5x faster on an
+    H200, docs/benchmarks) are kept fp8; a tiny weight, where fp8's extra kernel launches cost
+    more than its GEMM saves, stays bf16. convert with policy "measure" times, says so, frees
+    what it timed with and leaves the CUDA generator as it was."""
+    from test_policy import _scout
+
+    from torchtitan_fp8_moe import convert
+    from torchtitan_fp8_moe.measure import WeightCase, time_cases
+
+    scout = WeightCase(65536, (16, 8192, 5120), "bfloat16", 2)
+    tiny = WeightCase(256, (4, 256, 128), "bfloat16")
+    timings = time_cases({scout, tiny}, WeightConfig("rowwise", False), 16, torch.device("cuda"))
+    assert timings[scout].fp8_pays, timings[scout]
+    assert not timings[tiny].fp8_pays, timings[tiny]
+    allocated, rng_state = torch.cuda.memory_allocated(), torch.cuda.get_rng_state()
+    plan = convert(_scout(), emulate=False, tokens=65536, policy="measure")
+    routed = [row for row in plan if ".experts." in row.fqn]
+    assert all(row.fp8 and "(measure: measured" in row.path for row in routed), plan
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.equal(torch.cuda.get_rng_state(), rng_state)

@@ -235,3 +235,25 @@ def test_view_chains_then_matmul_are_fp8_or_raise(chain, entry, start):
         assert "float8_moe" in str(e)
         return
     assert_fp8(out, X, right_operand(p2.float()))
+
+
+@pytest.mark.parametrize("on", ["weight", "view"])
+@pytest.mark.parametrize("form", ["linear", "high_precision"])
+def test_a_matmul_leaves_the_weights_storage_out_of_autograd(form, on):
+    """F.linear on the weight itself gave its stored tensor a grad_fn, a reference cycle
+    through autograd's C++ nodes that kept the weight alive after its last use (found when
+    the timing policy's weights outlived it, measure.py)."""
+    import gc
+    import weakref
+
+    param = torch.nn.Parameter(Float8MoEWeight(torch.randn(H, D), WeightConfig("rowwise", True)))
+    w = param if on == "weight" else param.view(H, D)
+    x = X.clone().requires_grad_()
+    out = F.linear(x, w) if form == "linear" else x @ w.high_precision().t()
+    out.sum().backward()
+    assert param.grad is not None and x.grad is not None
+    assert not param._data.requires_grad and param._data.grad_fn is None
+    freed = weakref.ref(param)
+    del param, w, out, x
+    gc.collect()
+    assert freed() is None

@@ -112,6 +112,8 @@ def test_scout_at_64_ranks_plans_in_seconds(capsys):
         # Qwen3-30B-A3B's 768-wide experts at 16K tokens: fp8 would be slower, auto keeps them
         ("train_configs/qwen3_30b_a3b_4layers.toml", "auto", 0, 12),
         ("train_configs/qwen3_30b_a3b_4layers.toml", "always", 12, 0),
+        # "measure" times them at launch; without a GPU here preflight shows the estimates
+        ("train_configs/qwen3_30b_a3b_4layers.toml", "measure", 0, 12),
         # Scout's 8192-wide experts (routed and shared) at 32K tokens: fp8 pays
         ("train_configs/llama4_scout_2layers.toml", "auto", 12, 0),
     ],
@@ -125,13 +127,17 @@ def test_one_gpu_trainer_configs_get_the_policy_verdicts_benchmarked(
         capsys, "--config", config, "--ngpu", "1", f"--float8_moe.policy={policy}"
     )
     assert rc == 0, out + err
-    bf16_rows = _rows(r"^layers\.\d+\.moe\.\S+ .* bf16 \(auto: fp8 est\. [\d.]+ ms slower\)", out)
+    bf16_rows = _rows(
+        rf"^layers\.\d+\.moe\.\S+ .* bf16 \({policy}: fp8 est\. [\d.]+ ms slower\)", out
+    )
     assert len(bf16_rows) == kept, out
     totals = f"totals: {converted} converted weights"
-    assert totals + (f" ({kept} kept in bf16 by the auto policy)" if kept else ",") in out, out
+    assert totals + (f" ({kept} kept in bf16 by the {policy} policy)" if kept else ",") in out, out
     # auto's verdicts come with the GPU their cost model was fit on.
     calibrated = "policy auto (its cost model is fit on an H200 with torch 2.11"
     assert (calibrated in out) == (policy == "auto"), out
+    timed_at_launch = "policy measure (each weight timed on the GPU at launch; no GPU here"
+    assert (timed_at_launch in out) == (policy == "measure"), out
 
 
 @pytest.mark.slow  # the command line in a process of its own: about 12 s of imports

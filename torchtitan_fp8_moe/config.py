@@ -21,11 +21,12 @@ class Float8MoE:
     routed `moe.experts` and its shared expert (`moe.shared_experts` or `moe.shared_expert`)."""
 
     policy: str = "auto"
-    """"auto": keep in bf16 the expert weights whose fp8 GEMMs, casts included, are estimated
-    slower than bf16's at this run's per-rank shapes and tokens per micro-batch (a cost model
-    calibrated on an H200, torchtitan_fp8_moe/policy.py; the shard plan says each weight's
-    verdict). "always": convert every weight `fqns` selects. The emulated path (no CUDA, or
-    emulate = true) converts every selected weight under either."""
+    """"auto": keep in bf16 the expert weights whose fp8 GEMMs, casts included, are slower
+    than bf16's at this run's per-rank shapes and tokens per micro-batch: estimated by a cost
+    model on an H200 (torchtitan_fp8_moe/policy.py), timed at start-up on any other GPU
+    (torchtitan_fp8_moe/measure.py, a few seconds); the shard plan says each weight's verdict.
+    "measure": time them on an H200 too. "always": convert every weight `fqns` selects. The
+    emulated path (no CUDA, or emulate = true) converts every selected weight under any."""
 
     emulate: bool = False
     """Run fp8 numerics with an emulated matmul (quantize, dequantize, fp32 matmul) instead of

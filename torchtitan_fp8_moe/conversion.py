@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 from .fp8.recipes import Recipe
-from .policy import POLICIES, fp8_gain_ms
+from .measure import Timing, WeightCase, time_cases
+from .policy import POLICIES, fp8_gain_ms, times_weights
 from .sharding import ShardPlanRow, plan_expert_weight, plan_weight, with_all_gather
 from .swap import (
     compact_fqns,
@@ -30,6 +31,7 @@ from .swap import (
     expert_weight_names,
     is_grouped_experts,
     num_experts,
+    same_input_weights,
     swap_expert_weights,
 )
 from .weight import WeightConfig, fp8_kernels_available
@@ -67,9 +69,11 @@ def convert(
     device. ``all_gather_dtype``: the dtype FSDP all-gathers (its ``param_dtype``; None: the
     weight's). ``path``: the fp8 path's name in the plan (default "emulated" or "cuda").
     ``policy``: "always" converts every selected weight; "auto" keeps in bf16 the weights whose
-    fp8 GEMMs are estimated slower than bf16's at ``tokens`` tokens per rank and micro-batch,
-    eager or ``compiled`` (``policy.py``; the plan row says why). The emulated path has no speed
-    to gain or lose and converts every weight under either policy. ``align_token_groups``: on
+    fp8 GEMMs are slower than bf16's at ``tokens`` tokens per rank and micro-batch, eager or
+    ``compiled``: estimated by the cost model on an H200 or without a GPU (``policy.py``),
+    timed on this GPU otherwise (``measure.py``); "measure" times them on an H200 too. The plan
+    row says why. The emulated path has no speed to gain or lose and converts every weight
+    under any policy. ``align_token_groups``: on
     CUDA, set torchtitan 0.2.2's token-group alignment for fp8 GEMMs (torchtitan 0.3 pads the
     groups in its token dispatcher instead: ``torchtitan_v03/converter.py`` sets it up).
     """
@@ -81,35 +85,53 @@ def convert(
     config = WeightConfig(recipe, emulate, cache_fp8_weights, fp8_all_gather)
     fp8_recipe = config.fp8_recipe
     path = path or ("emulated" if emulate else "cuda")
-    auto = policy == "auto" and not emulate
-    if auto and not tokens:
+    deciding = policy != "always" and not emulate
+    if deciding and not tokens:
         raise ValueError(
-            'float8_moe: policy "auto" decides from the tokens each rank multiplies per '
+            f'float8_moe: policy "{policy}" decides from the tokens each rank multiplies per '
             'micro-batch; pass tokens=..., or policy="always" to convert every weight'
         )
     modules = dict(model.named_modules())
-    plan = []
+    weights = []  # (module, weight name, plan row, what the policy times or estimates)
     for module_fqn, module in targets:
         kind = kind_of(module)
-        if auto:  # the rows each weight multiplies per micro-batch
+        if deciding:  # the rows each weight multiplies per micro-batch
             rows = tokens * _top_k(modules, module_fqn) if kind == "routed" else tokens
-        chosen = set()
-        for name in expert_weight_names(module):
+        names = expert_weight_names(module)
+        side_by_side = same_input_weights(names)
+        for name in names:
             fqn = f"{module_fqn}.{name}" if module_fqn else name
             param = module.get_parameter(name)
-            itemsize = (all_gather_dtype or param.dtype).itemsize
-            # Under auto, a weight kept bf16 may be split unevenly by TP, as torchtitan does for
-            # any plain weight; only an fp8 weight needs equal shares.
-            row = _plan_row(fqn, tuple(param.shape), kind, parallel_dims, itemsize, path, not auto)
+            dtype = all_gather_dtype or param.dtype
+            # Under a policy, a weight kept bf16 may be split unevenly by TP, as torchtitan does
+            # for any plain weight; only an fp8 weight needs equal shares.
+            row = _plan_row(
+                fqn, tuple(param.shape), kind, parallel_dims, dtype.itemsize, path, not deciding
+            )
             row = with_all_gather(row, all_gather_dtype, fp8_all_gather, fp8_recipe)
-            if auto:
-                row = _decide(row, rows, compiled, fp8_recipe)
-            if row.fp8:
-                fp8_recipe.check_local_shape(fqn, row.local_shape, row.tp_dim, emulate)
-                chosen.add(name)
-            plan.append(row)
-        if chosen:
-            swap_expert_weights(module, config, chosen)
+            case = None
+            if deciding:
+                # w1 and w3 share their input's fp8 casts: timed together
+                together = len(side_by_side) if name in side_by_side else 1
+                dtype_name = str(dtype).removeprefix("torch.")
+                case = WeightCase(rows, row.local_shape, dtype_name, together)
+            weights.append((module, name, row, case))
+    timings = {}
+    device = measuring_device(policy, emulate)
+    if deciding and device is not None and fp8_recipe.has_cost_model:
+        cases = {case for _, _, row, case in weights if not row.uneven_tp}
+        timings = time_cases(cases, config, fp8_recipe.token_group_alignment(emulate), device)
+    plan = []
+    chosen: dict[nn.Module, set[str]] = {}
+    for module, name, row, case in weights:
+        if deciding:
+            row = _decide(row, case, compiled, fp8_recipe, policy, timings.get(case))
+        if row.fp8:
+            fp8_recipe.check_local_shape(row.fqn, row.local_shape, row.tp_dim, emulate)
+            chosen.setdefault(module, set()).add(name)
+        plan.append(row)
+    for module, names in chosen.items():
+        swap_expert_weights(module, config, names)
     alignment = fp8_recipe.token_group_alignment(emulate)
     if align_token_groups and alignment and torch.cuda.is_available() and any(r.fp8 for r in plan):
         # torchtitan's MoE pads each expert's token group to this many rows, as the recipe's
@@ -151,20 +173,42 @@ def _top_k(modules: dict[str, nn.Module], experts_fqn: str) -> int:
     return 1
 
 
-def _decide(row: ShardPlanRow, rows: int, compiled: bool, recipe: Recipe) -> ShardPlanRow:
-    """``row`` with the auto policy's verdict for its local shape multiplied by ``rows``."""
+def _decide(
+    row: ShardPlanRow,
+    case: WeightCase,
+    compiled: bool,
+    recipe: Recipe,
+    policy: str,
+    timing: Timing | None,
+) -> ShardPlanRow:
+    """``row`` with the policy's verdict for its local shape multiplied by ``case.rows``: from
+    its ``timing`` on this GPU where it was timed, else from the cost model."""
     if row.uneven_tp:
         return replace(
-            row, path="bf16 (auto: TP splits it unevenly, fp8 needs equal shares)", fp8=False
+            row, path=f"bf16 ({policy}: TP splits it unevenly, fp8 needs equal shares)", fp8=False
         )
     if not recipe.has_cost_model:
-        # The user chose the recipe for its numerics; auto cannot weigh its speed.
-        return replace(row, path=f"{row.path} (auto: no cost model for {recipe.name}, converted)")
+        # The user chose the recipe for its numerics; the policy does not weigh its speed.
+        converted = f"{row.path} ({policy}: no cost model for {recipe.name}, converted)"
+        return replace(row, path=converted)
+    if timing is not None:
+        if timing.fp8_pays:
+            return replace(row, path=f"{row.path} ({policy}: {timing.describe()})")
+        return replace(row, path=f"bf16 ({policy}: fp8 {timing.describe()})", fp8=False)
     share = 1 / row.fsdp_degree if row.all_gather == "fp8" else 1.0
-    gain = fp8_gain_ms(rows, row.local_shape, compiled, share)
+    gain = fp8_gain_ms(case.rows, row.local_shape, compiled, share)
     if gain > 0:
-        return replace(row, path=f"{row.path} (auto: est. {gain:.2f} ms faster)")
-    return replace(row, path=f"bf16 (auto: fp8 est. {-gain:.2f} ms slower)", fp8=False)
+        return replace(row, path=f"{row.path} ({policy}: est. {gain:.2f} ms faster)")
+    return replace(row, path=f"bf16 ({policy}: fp8 est. {-gain:.2f} ms slower)", fp8=False)
+
+
+def measuring_device(policy: str, emulate: bool) -> torch.device | None:
+    """The GPU ``convert`` times the weights on under ``policy`` (``measure.py``), or None
+    where the policy estimates them (``policy.py``) or converts without deciding."""
+    if emulate or policy == "always" or not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    return device if times_weights(policy, torch.cuda.get_device_name(device)) else None
 
 
 def select_expert_modules(model: nn.Module, fqns: Sequence[str]) -> list[tuple[str, nn.Module]]:

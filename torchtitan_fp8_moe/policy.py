@@ -16,12 +16,13 @@ forward + backward, on one H200 at the per-GPU shapes of real runs, eager and co
 cases the layer's estimate has the measured sign but for two: Scout at 8K tokens (measured 1.08x,
 estimated slower: the policy keeps its routed experts bf16) and GPT-OSS 120B at 32K (1.00x).
 Calibrated on an H200 with torch 2.11, at 8K-32K tokens per rank (beyond, the terms are
-extrapolated linearly); on other GPUs ``policy = "always"`` forces fp8.
+extrapolated linearly). On any other GPU the auto policy times each weight there instead
+(``measure.py``); ``policy = "measure"`` does that on an H200 too, ``"always"`` forces fp8.
 """
 
 from dataclasses import dataclass
 
-POLICIES = ("auto", "always")
+POLICIES = ("auto", "always", "measure")
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,21 @@ class CostModel:
     call_overhead: float
 
 
-# What the converter's log says of the fit below under policy "auto".
+# The GPU the coefficients below were fit on, as torch.cuda.get_device_name names it.
+CALIBRATED_GPU = "H200"
+# What the converter's log says of the fit under policy "auto" where it estimates.
 CALIBRATION = (
-    "its cost model is fit on an H200 with torch 2.11: on another GPU compare tokens/s with "
-    "bf16's, docs/limitations.md"
+    f"its cost model is fit on an {CALIBRATED_GPU} with torch 2.11; on other GPUs it times "
+    "each weight at start-up instead"
 )
+
+
+def times_weights(policy: str, gpu_name: str) -> bool:
+    """Whether ``policy`` times the weights on the GPU named ``gpu_name`` rather than
+    estimate them (``measure.py``)."""
+    return policy == "measure" or (policy == "auto" and CALIBRATED_GPU not in gpu_name)
+
+
 # scripts/fit_policy.py on docs/benchmarks/presets/h200.json (torch 2.11, H200, 2026-12-03).
 H200 = {
     "eager": CostModel(

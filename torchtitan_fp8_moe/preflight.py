@@ -415,7 +415,7 @@ def describe_float8_moe(converter: Float8MoEConverter | None, dims: ParallelDims
     padding_bytes = sum(row.padding_bytes for row in plan)
     converted = sum(row.fp8 for row in plan)
     kept = (
-        f" ({len(plan) - converted} kept in bf16 by the auto policy)"
+        f" ({len(plan) - converted} kept in bf16 by the {converter.policy} policy)"
         if converted < len(plan)
         else ""
     )

@@ -7,6 +7,7 @@ import torch
 import torch._inductor.config
 from torchtitan.tools.logging import logger
 
+from .conversion import measuring_device
 from .policy import CALIBRATION
 from .sharding import ShardPlanRow, format_plan
 from .weight import fp8_kernels_available
@@ -68,9 +69,20 @@ def check_data_parallelism(parallel_dims) -> None:
 
 
 def describe_policy(policy: str, path: str) -> str:
-    """The policy as the logs name it: auto decides only on CUDA, from a cost model fit on one
-    GPU (``policy.py``), which the text says."""
-    return f"policy {policy}" + (f" ({CALIBRATION})" if policy == "auto" and path == "cuda" else "")
+    """The policy as the logs name it, with how it decides on CUDA: timed on this GPU
+    (``measure.py``), or estimated by a cost model fit on one GPU (``policy.py``)."""
+    if path != "cuda" or policy == "always":
+        return f"policy {policy}"
+    device = measuring_device(policy, emulate=False)
+    if device is not None:
+        gpu = torch.cuda.get_device_name(device)
+        return f"policy {policy} (each weight timed on this {gpu} at start-up)"
+    if policy == "auto":
+        return f"policy auto ({CALIBRATION})"
+    return (
+        f"policy {policy} (each weight timed on the GPU at launch; no GPU here, so the verdicts "
+        "below are the cost model's estimates)"
+    )
 
 
 def conversion_message(

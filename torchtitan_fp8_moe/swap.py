@@ -21,6 +21,8 @@ from .tensor_parallel import Float8MoELinear
 from .weight import Float8MoEWeight, WeightConfig
 
 _PROJECTIONS = ("w1", "w2", "w3")
+# SwiGLU's gate and up projections: both multiply the expert's input tokens.
+_GATE_AND_UP = ("w1", "w3")
 
 
 def grouped_weight_names(module: nn.Module) -> list[str]:
@@ -147,6 +149,14 @@ def expert_weight_names(module: nn.Module) -> list[str]:
         f"feed-forward (nn.Linear w1/w2/w3) and no grouped experts "
         f"({grouped_experts_mismatch(module)})"
     )
+
+
+def same_input_weights(names: list[str]) -> set[str]:
+    """Those of an expert module's weight ``names`` that multiply the same tokens side by side:
+    its gate and up projections (``w1``, ``w3`` or ``w1.weight``, ``w3.weight``) where it has
+    both; else none."""
+    gate_and_up = {name for name in names if name.split(".")[0] in _GATE_AND_UP}
+    return gate_and_up if len(gate_and_up) == len(_GATE_AND_UP) else set()
 
 
 def swap_expert_weights(

@@ -45,8 +45,9 @@ class Float8MoEConverter(QuantizationConverter):
         routed ``moe.routed_experts.inner_experts`` and shared ``moe.shared_experts``."""
 
         policy: str = "auto"
-        """"auto": keep bf16 the weights whose fp8 GEMMs are estimated slower at this run's
-        per-rank shapes and tokens (policy.py); "always": convert every selected weight."""
+        """"auto": keep bf16 the weights whose fp8 GEMMs are slower at this run's per-rank
+        shapes and tokens, estimated on an H200 (policy.py), timed at start-up on other GPUs
+        (measure.py); "measure": time them on an H200 too; "always": convert every one."""
 
         emulate: bool = False
         """Emulated fp8 (quantize, dequantize, fp32 matmul); always on without CUDA."""

@@ -52,7 +52,10 @@ class _Unwrap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight: "Float8MoEWeight") -> torch.Tensor:
-        return weight._values()
+        # A new tensor object (same memory): autograd gives the output a grad_fn, which set on
+        # ``_data`` itself made a cycle through C++ (data -> node -> the weight's gradient
+        # accumulator -> weight -> data) that no garbage collection frees.
+        return weight._values().detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,163 @@
+"""The auto policy where its cost model was not fit (torchtitan_fp8_moe/measure.py): each
+weight timed in bf16 and fp8, the verdict's margin, convert's use of the timings, and the ranks'
+agreement. The timings themselves are CUDA's in use; here they run the emulated fp8 path on a
+CPU, and convert's GPU timer is replaced by fixed timings (tests/test_cuda.py times on a GPU)."""
+
+import pytest
+import torch
+from test_converter import _parallel_dims
+from test_policy import _scout
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchtitan_fp8_moe.conversion as conversion
+from torchtitan_fp8_moe import Float8MoEWeight, convert
+from torchtitan_fp8_moe.measure import MARGIN, Timing, WeightCase, time_cases
+from torchtitan_fp8_moe.weight import WeightConfig
+
+
+class _Fp8Outputs(TorchDispatchMode):
+    """Counts the ops that return an fp8 tensor: the quantization of the fp8 path."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = out if isinstance(out, (tuple, list)) else [out]
+        self.count += any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn for t in flat
+        )
+        return out
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        WeightCase(64, (2, 32, 16), "bfloat16"),  # routed experts under FSDP's bf16
+        WeightCase(64, (2, 32, 16), "bfloat16", 2),  # w1 and w3 on the same tokens
+        WeightCase(40, (3, 32, 16), "float32"),  # rows that do not split evenly, fp32 params
+        WeightCase(32, (24, 16), "float32"),  # a FeedForward's linear under autocast
+    ],
+)
+def test_each_case_is_timed_with_a_plain_and_a_converted_weight(case):
+    """Also under no_grad (a caller's), and without drawing from the global generator: the
+    model's initialization after the conversion must get the values it gets without it."""
+    rng_state = torch.get_rng_state()
+    with _Fp8Outputs() as fp8_ops, torch.no_grad():
+        timings = time_cases({case}, WeightConfig("rowwise", True), None, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    assert list(timings) == [case]
+    timing = timings[case]
+    assert 0 < timing.bf16_ms < 1e4 and 0 < timing.fp8_ms < 1e4
+    assert fp8_ops.count > 0  # the converted weight's calls quantized
+
+
+@pytest.mark.parametrize(
+    "bf16_ms, fp8_ms, pays, text",
+    [
+        (10.0, 8.0, True, "measured 2.00 ms faster: bf16 10.00 ms, fp8 8.00"),
+        (10.0, 10 * (1 - MARGIN) - 0.01, True, "measured 0.21 ms faster"),
+        (10.0, 10 * (1 - MARGIN) + 0.01, False, "measured only 0.19 ms faster"),
+        (10.0, 9.85, False, "measured only 0.15 ms faster, under 2%: bf16 10.00 ms, fp8 9.85"),
+        (10.0, 10.0, False, "measured 0.00 ms slower"),
+        (10.0, 12.5, False, "measured 2.50 ms slower: bf16 10.00 ms, fp8 12.50"),
+    ],
+)
+def test_fp8_is_kept_only_where_it_saves_the_margin(bf16_ms, fp8_ms, pays, text):
+    timing = Timing(bf16_ms, fp8_ms)
+    assert timing.fp8_pays is pays
+    assert text in timing.describe()
+
+
+def _timed_by(timings_of, calls):
+    """Stand-in for the GPU timer: records the cases asked for, answers ``timings_of(case)``."""
+
+    def time_on_gpu(cases, config, alignment, device):
+        calls.append((sorted(cases), config, alignment, device))
+        return {case: timings_of(case) for case in cases}
+
+    return time_on_gpu
+
+
+@pytest.mark.parametrize("policy", ["auto", "measure"])
+def test_convert_decides_each_weight_from_its_timing(monkeypatch, policy):
+    """Scout at 16K tokens, one rank: the cost model converts every weight; with timings that
+    say fp8 loses on the shared expert's 2D weights, those stay bf16 (plain nn.Parameter), the
+    routed ones convert, and each row gives its numbers. w1 and w3 are timed together."""
+    calls = []
+
+    def timing_of(case):
+        grouped = len(case.shape) == 3
+        return Timing(10.0, 8.0, case.weights) if grouped else Timing(4.0, 4.5, case.weights)
+
+    timed = _timed_by(timing_of, calls)
+    monkeypatch.setattr(conversion, "time_cases", timed)
+    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cuda"))
+    model = _scout()
+    plan = convert(model, emulate=False, tokens=16384, policy=policy)
+    [(cases, config, alignment, device)] = calls
+    assert set(cases) == {
+        WeightCase(16384, (5120, 8192), "float32"),
+        WeightCase(16384, (8192, 5120), "float32", 2),
+        WeightCase(16384, (16, 5120, 8192), "float32"),
+        WeightCase(16384, (16, 8192, 5120), "float32", 2),
+    }
+    assert (config.recipe, config.emulate, alignment, device.type) == ("rowwise", False, 16, "cuda")
+    for row in plan:
+        param = model.get_parameter(row.fqn)
+        if "shared" in row.fqn:
+            assert not row.fp8 and not isinstance(param, Float8MoEWeight)
+            slower = "fp8 measured 0.50 ms slower: bf16 4.00 ms, fp8 4.50"
+            assert row.path.startswith(f"bf16 ({policy}: {slower}"), row
+        else:
+            assert row.fp8 and isinstance(param, Float8MoEWeight)
+            faster = "measured 2.00 ms faster: bf16 10.00 ms, fp8 8.00"
+            assert row.path.startswith(f"cuda ({policy}: {faster}"), row
+        together = " for 2 weights on the same tokens)"
+        assert row.path.endswith(together) == (".w2" not in row.fqn), row
+
+
+def test_timed_cases_are_the_local_shapes_in_the_all_gathered_dtype(monkeypatch):
+    """Under TP 2 x FSDP 4 with bf16 mixed precision each rank multiplies half of each weight
+    in bf16; TP 3 splits the shared expert unevenly, which keeps it bf16 untimed."""
+    calls = []
+    monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda case: Timing(1.0, 0.5), calls))
+    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cuda"))
+    convert(
+        _scout(),
+        emulate=False,
+        tokens=8192,
+        parallel_dims=_parallel_dims(8, tp=2),
+        all_gather_dtype=torch.bfloat16,
+    )
+    assert set(calls[0][0]) == {
+        WeightCase(8192, (4096, 5120), "bfloat16", 2),
+        WeightCase(8192, (5120, 4096), "bfloat16"),
+        WeightCase(8192, (16, 4096, 5120), "bfloat16", 2),
+        WeightCase(8192, (16, 5120, 4096), "bfloat16"),
+    }
+    calls.clear()
+    plan = convert(_scout(), emulate=False, tokens=8192, parallel_dims=_parallel_dims(6, tp=3))
+    assert all(len(case.shape) == 3 for case in calls[0][0])
+    shared = [row for row in plan if "shared" in row.fqn]
+    assert all(row.path.startswith("bf16 (auto: TP splits it unevenly") for row in shared)
+
+
+def test_without_a_gpu_to_time_on_the_policies_estimate():
+    """On this CPU machine nothing is timed: convert estimates by the cost model (preflight
+    plans a CUDA run that way) under either policy, and says so in each row."""
+    for policy in ("auto", "measure"):
+        plan = convert(_scout(), emulate=False, tokens=16384, policy=policy)
+        assert all(row.path.startswith(f"cuda ({policy}: est.") for row in plan)
+
+
+def test_ranks_average_their_timings_and_fail_alike_on_differing_weights(dist_results):
+    ranks = dist_results("measure", 2)
+    timings = [rank["same_cases"]["timings"] for rank in ranks]
+    assert timings[0] == timings[1] and len(timings[0]) == 2
+    assert all(bf16 > 0 and fp8 > 0 for *_, bf16, fp8 in timings[0])
+    for rank in ranks:
+        error = rank["differing_cases"]["error"]
+        assert error and "ranks [1] have other weight shapes than rank 0" in error, error
+        assert 'policy = "always"' in error
