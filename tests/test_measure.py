@@ -37,7 +37,8 @@ class _Fp8Outputs(TorchDispatchMode):
         WeightCase(64, (2, 32, 16), "bfloat16"),  # routed experts under FSDP's bf16
         WeightCase(64, (2, 32, 16), "bfloat16", 2),  # w1 and w3 on the same tokens
         WeightCase(40, (3, 32, 16), "float32"),  # rows that do not split evenly, fp32 params
-        WeightCase(32, (24, 16), "float32"),  # a FeedForward's linear under autocast
+        WeightCase(32, (24, 16), "float32", 1, True),  # a FeedForward's linear under autocast
+        WeightCase(32, (24, 16), "float32"),  # the same in fp32 (FSDP, TP or PP: no autocast)
     ],
 )
 def test_each_case_is_timed_with_a_plain_and_a_converted_weight(case):
@@ -93,17 +94,17 @@ def test_convert_decides_each_weight_from_its_timing(monkeypatch, policy):
 
     timed = _timed_by(timing_of, calls)
     monkeypatch.setattr(conversion, "time_cases", timed)
-    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cuda"))
+    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cpu"))
     model = _scout()
     plan = convert(model, emulate=False, tokens=16384, policy=policy)
     [(cases, config, alignment, device)] = calls
-    assert set(cases) == {
-        WeightCase(16384, (5120, 8192), "float32"),
-        WeightCase(16384, (8192, 5120), "float32", 2),
+    assert set(cases) == {  # one device: the linears run under the trainer's autocast
+        WeightCase(16384, (5120, 8192), "float32", 1, True),
+        WeightCase(16384, (8192, 5120), "float32", 2, True),
         WeightCase(16384, (16, 5120, 8192), "float32"),
         WeightCase(16384, (16, 8192, 5120), "float32", 2),
     }
-    assert (config.recipe, config.emulate, alignment, device.type) == ("rowwise", False, 16, "cuda")
+    assert (config.recipe, config.emulate, alignment, device.type) == ("rowwise", False, 16, "cpu")
     for row in plan:
         param = model.get_parameter(row.fqn)
         if "shared" in row.fqn:
@@ -123,7 +124,7 @@ def test_timed_cases_are_the_local_shapes_in_the_all_gathered_dtype(monkeypatch)
     in bf16; TP 3 splits the shared expert unevenly, which keeps it bf16 untimed."""
     calls = []
     monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda case: Timing(1.0, 0.5), calls))
-    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cuda"))
+    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cpu"))
     convert(
         _scout(),
         emulate=False,
@@ -161,3 +162,56 @@ def test_ranks_average_their_timings_and_fail_alike_on_differing_weights(dist_re
         error = rank["differing_cases"]["error"]
         assert error and "ranks [1] have other weight shapes than rank 0" in error, error
         assert 'policy = "always"' in error
+
+
+def test_a_case_that_fails_to_time_is_left_to_the_cost_model(monkeypatch):
+    """A weight that cannot be timed at start-up (the GPU's memory ran out on some rank, as
+    torch's error or cuBLAS's) is untimed on every rank (NaN survives their average) and decided
+    by the cost model, which the plan row says; the other cases are timed as before."""
+    import torchtitan_fp8_moe.measure as measure
+
+    large = WeightCase(64, (2, 32, 16), "bfloat16", 2)
+    linear = WeightCase(32, (24, 16), "bfloat16")
+    small = WeightCase(32, (24, 16), "float32")
+    time_case = measure._time_case
+
+    def failing(case, *args):
+        if case == large:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        if case == linear:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED")
+        return time_case(case, *args)
+
+    monkeypatch.setattr(measure, "_time_case", failing)
+    config = WeightConfig("rowwise", True)
+    timings = time_cases({large, linear, small}, config, None, torch.device("cpu"))
+    assert not timings[large].timed and not timings[large].fp8_pays
+    assert not timings[linear].timed and timings[small].timed
+    monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda case: timings[large], []))
+    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cpu"))
+    plan = convert(_scout(), emulate=False, tokens=16384)
+    failed = "cuda (auto: timing failed on a rank (see the log), est."
+    assert all(row.path.startswith(failed) and not row.timed_on for row in plan)
+
+
+def test_weights_fp8_kernels_cannot_multiply_stay_bf16_untimed(monkeypatch):
+    """TP 1024 leaves each rank 8 of the routed experts' 8192 hidden rows: fp8's kernels need
+    multiples of 16, so the policies keep those weights bf16 and say why, without timing them
+    ("always" raises, naming the shape); the shared expert's shards still fit and are timed."""
+    calls = []
+    monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda case: Timing(2.0, 1.0), calls))
+    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cpu"))
+    dims = _parallel_dims(1024, tp=1024)
+    plan = convert(_scout(), emulate=False, tokens=16384, parallel_dims=dims)
+    unfit = [row for row in plan if not row.fp8]
+    assert unfit and all(
+        row.path
+        == f"bf16 (auto: fp8 kernels cannot multiply its local shape {list(row.local_shape)})"
+        for row in unfit
+    )
+    assert all(row.local_shape[-1] % 16 or row.local_shape[-2] % 16 for row in unfit)
+    timed_shapes = {case.shape for case in calls[0][0]}
+    assert not timed_shapes & {row.local_shape for row in unfit}
+    assert all(row.fp8 and row.timed_on == "cpu" for row in plan if row not in unfit)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        convert(_scout(), emulate=False, parallel_dims=dims, policy="always")

@@ -136,7 +136,7 @@ def test_one_gpu_trainer_configs_get_the_policy_verdicts_benchmarked(
     # auto's verdicts come with the GPU their cost model was fit on.
     calibrated = "policy auto (its cost model is fit on an H200 with torch 2.11"
     assert (calibrated in out) == (policy == "auto"), out
-    timed_at_launch = "policy measure (each weight timed on the GPU at launch; no GPU here"
+    timed_at_launch = "policy measure (each weight timed on the GPU at launch; the verdicts below"
     assert (timed_at_launch in out) == (policy == "measure"), out
 
 

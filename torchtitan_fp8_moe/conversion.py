@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from .fp8.recipes import Recipe
-from .measure import Timing, WeightCase, time_cases
+from .measure import Timing, WeightCase, time_cases, timing_device
 from .policy import POLICIES, fp8_gain_ms, times_weights
 from .sharding import ShardPlanRow, plan_expert_weight, plan_weight, with_all_gather
 from .swap import (
@@ -57,6 +57,7 @@ def convert(
     tokens: int | None = None,
     compiled: bool = False,
     align_token_groups: bool = True,
+    time_weights: bool = True,
 ) -> list[ShardPlanRow]:
     """Convert ``model``'s expert modules in place and return the shard plan of their weights.
 
@@ -73,7 +74,8 @@ def convert(
     ``compiled``: estimated by the cost model on an H200 or without a GPU (``policy.py``),
     timed on this GPU otherwise (``measure.py``); "measure" times them on an H200 too. The plan
     row says why. The emulated path has no speed to gain or lose and converts every weight
-    under any policy. ``align_token_groups``: on
+    under any policy; ``time_weights=False`` never times (preflight: the launch's GPUs are not
+    this machine's). ``align_token_groups``: on
     CUDA, set torchtitan 0.2.2's token-group alignment for fp8 GEMMs (torchtitan 0.3 pads the
     groups in its token dispatcher instead: ``torchtitan_v03/converter.py`` sets it up).
     """
@@ -114,18 +116,25 @@ def convert(
                 # w1 and w3 share their input's fp8 casts: timed together
                 together = len(side_by_side) if name in side_by_side else 1
                 dtype_name = str(dtype).removeprefix("torch.")
-                case = WeightCase(rows, row.local_shape, dtype_name, together)
+                autocast = len(row.local_shape) == 2 and _trainer_autocasts(parallel_dims)
+                case = WeightCase(rows, row.local_shape, dtype_name, together, autocast)
             weights.append((module, name, row, case))
     timings = {}
-    device = measuring_device(policy, emulate)
-    if deciding and device is not None and fp8_recipe.has_cost_model:
-        cases = {case for _, _, row, case in weights if not row.uneven_tp}
-        timings = time_cases(cases, config, fp8_recipe.token_group_alignment(emulate), device)
+    if deciding and time_weights and fp8_recipe.has_cost_model:
+        device = timing_device(measuring_device(policy, emulate))
+        if device is not None:
+            cases = {case for _, _, row, case in weights if _fp8_fits(row, fp8_recipe)}
+            alignment = fp8_recipe.token_group_alignment(emulate)
+            timings = time_cases(cases, config, alignment, device)
+            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     plan = []
     chosen: dict[nn.Module, set[str]] = {}
     for module, name, row, case in weights:
         if deciding:
-            row = _decide(row, case, compiled, fp8_recipe, policy, timings.get(case))
+            timing = timings.get(case)
+            row = _decide(row, case, compiled, fp8_recipe, policy, timing)
+            if timing is not None and timing.timed:
+                row = replace(row, timed_on=gpu)
         if row.fp8:
             fp8_recipe.check_local_shape(row.fqn, row.local_shape, row.tp_dim, emulate)
             chosen.setdefault(module, set()).add(name)
@@ -182,7 +191,8 @@ def _decide(
     timing: Timing | None,
 ) -> ShardPlanRow:
     """``row`` with the policy's verdict for its local shape multiplied by ``case.rows``: from
-    its ``timing`` on this GPU where it was timed, else from the cost model."""
+    its ``timing`` on this GPU where it was timed, else (no GPU to time on, or out of its
+    memory) from the cost model."""
     if row.uneven_tp:
         return replace(
             row, path=f"bf16 ({policy}: TP splits it unevenly, fp8 needs equal shares)", fp8=False
@@ -191,15 +201,39 @@ def _decide(
         # The user chose the recipe for its numerics; the policy does not weigh its speed.
         converted = f"{row.path} ({policy}: no cost model for {recipe.name}, converted)"
         return replace(row, path=converted)
-    if timing is not None:
+    if not _fp8_fits(row, recipe):
+        unfit = f"fp8 kernels cannot multiply its local shape {list(row.local_shape)}"
+        return replace(row, path=f"bf16 ({policy}: {unfit})", fp8=False)
+    if timing is not None and timing.timed:
         if timing.fp8_pays:
             return replace(row, path=f"{row.path} ({policy}: {timing.describe()})")
         return replace(row, path=f"bf16 ({policy}: fp8 {timing.describe()})", fp8=False)
+    estimated = "est." if timing is None else "timing failed on a rank (see the log), est."
     share = 1 / row.fsdp_degree if row.all_gather == "fp8" else 1.0
     gain = fp8_gain_ms(case.rows, row.local_shape, compiled, share)
     if gain > 0:
-        return replace(row, path=f"{row.path} ({policy}: est. {gain:.2f} ms faster)")
-    return replace(row, path=f"bf16 ({policy}: fp8 est. {-gain:.2f} ms slower)", fp8=False)
+        return replace(row, path=f"{row.path} ({policy}: {estimated} {gain:.2f} ms faster)")
+    return replace(row, path=f"bf16 ({policy}: fp8 {estimated} {-gain:.2f} ms slower)", fp8=False)
+
+
+def _fp8_fits(row: ShardPlanRow, recipe: Recipe) -> bool:
+    """Whether the recipe's CUDA kernels take the weight's local shape (``check_local_shape``)
+    and tensor parallelism splits it evenly."""
+    if row.uneven_tp:
+        return False
+    try:
+        recipe.check_local_shape(row.fqn, row.local_shape, row.tp_dim, emulate=False)
+    except ValueError:
+        return False
+    return True
+
+
+def _trainer_autocasts(parallel_dims: "ParallelDims | None") -> bool:
+    """Whether torchtitan's trainer runs the model under autocast: without FSDP, TP and PP
+    (``maybe_enable_amp``); a plain ``convert`` on one device is taken as that trainer's."""
+    if parallel_dims is None:
+        return True
+    return not (parallel_dims.fsdp_enabled or parallel_dims.tp_enabled or parallel_dims.pp_enabled)
 
 
 def measuring_device(policy: str, emulate: bool) -> torch.device | None:

@@ -153,6 +153,7 @@ class Float8MoEConverter:
             policy=self.policy,
             tokens=self.tokens,
             compiled=self.compiled,
+            time_weights=plan_target is None,  # preflight plans another machine's GPUs
         )
         warn, message = conversion_message(
             self.shard_plan,

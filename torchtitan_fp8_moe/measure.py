@@ -6,16 +6,19 @@ the model was fit on, or under ``policy = "measure"``, the converter times each 
 weight instead of estimating it. It multiplies random bf16 tokens by a random weight of the
 weight's local shape and dtype, as torchtitan's experts do (``torch._grouped_mm(x,
 w.bfloat16().transpose(-2, -1), offs)`` over even token groups; a FeedForward's 2D weight by
-``F.linear``, under autocast where the weight is not bf16), forward and backward, with a plain
+``F.linear``, under autocast where torchtitan runs it so), forward and backward, with a plain
 weight and with a converted one. The gate and up projections (w1, w3) multiply the same
 tokens, whose fp8 casts the two share (``fp8/cast_reuse.py``): they are timed together. A
 timing is the wall time of a few calls between two
 synchronizations (what a trainer that queues its kernels sees: host time where the host is the
 slower), interleaved, median of ``ROUNDS``. Eager, also for a compiled run. fp8 is kept where
 it saves at least ``MARGIN`` of bf16's time; closer calls stay bf16. The ranks average their
-timings, so every rank converts the same weights.
+timings, so every rank converts the same weights, and if any rank times, all do (a job mixing
+GPU models). A case that fails on any rank (out of memory) is left untimed (NaN) on every rank,
+and the cost model decides it.
 """
 
+import logging
 import math
 import statistics
 import time
@@ -29,6 +32,8 @@ import torch.nn.functional as F
 
 from .weight import Float8MoEWeight, WeightConfig
 
+logger = logging.getLogger(__name__)
+
 # The share of bf16's time fp8 must save to be kept: within it, timings of the same kernels
 # differ from run to run, and bf16 is never slower than itself.
 MARGIN = 0.02
@@ -40,13 +45,15 @@ MAX_CALLS = 50
 @dataclass(frozen=True, order=True)
 class WeightCase:
     """What is timed for a weight: the rows it multiplies per micro-batch, its local shape
-    (``[E, N, K]`` grouped, ``[N, K]`` a linear's), the dtype its matmul reads it in, and how
-    many weights of that shape multiply the same rows side by side (w1 and w3: 2)."""
+    (``[E, N, K]`` grouped, ``[N, K]`` a linear's), the dtype its matmul reads it in, how
+    many weights of that shape multiply the same rows side by side (w1 and w3: 2), and whether
+    the trainer runs a linear under bf16 autocast (torchtitan does without FSDP, TP and PP)."""
 
     rows: int
     shape: tuple[int, ...]
     dtype: str  # a torch dtype's name: cases sort and pickle alike on every rank
     weights: int = 1
+    autocast: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,11 @@ class Timing:
     bf16_ms: float
     fp8_ms: float
     weights: int = 1
+
+    @property
+    def timed(self) -> bool:
+        """False where timing failed (out of memory) on some rank."""
+        return not (math.isnan(self.bf16_ms) or math.isnan(self.fp8_ms))
 
     @property
     def fp8_pays(self) -> bool:
@@ -81,27 +93,49 @@ def time_cases(
     reuse one cast over the repeated calls); ``alignment``: the row multiple of the token
     groups."""
     ordered = sorted(cases)
-    _check_same_cases_on_every_rank(ordered)
+    if _across_ranks():
+        _check_same_cases_on_every_rank(ordered)
     config = replace(config, cache_fp8=False)
     # A generator of its own: the model's initialization draws from the global one next, and
     # must draw the same values as without the timing (a bf16 run's, a resumed run's).
     generator = torch.Generator(device).manual_seed(0)
     with torch.enable_grad():
-        measured = [_time_case(c, config, alignment or 1, device, generator) for c in ordered]
+        measured = [_timed_or_nan(c, config, alignment or 1, device, generator) for c in ordered]
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the allocator's blocks back before the model's arrive
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _across_ranks():
         sums = torch.tensor(measured, dtype=torch.float64, device=device)
         dist.all_reduce(sums)
         measured = (sums / dist.get_world_size()).tolist()
     return {case: Timing(*ms, case.weights) for case, ms in zip(ordered, measured, strict=True)}
 
 
+def timing_device(wanted: torch.device | None) -> torch.device | None:
+    """This rank's choice (its GPU, or None to estimate) made every rank's: where any rank
+    times, all do, each on its current GPU. A job mixing GPU models (an H200 estimates, another
+    GPU times) would otherwise leave ranks waiting in ``time_cases``'s collectives."""
+    if not _across_ranks():
+        return wanted
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    anyone = torch.tensor([wanted is not None], dtype=torch.int32, device=gpu)
+    dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
+    return (wanted or gpu) if anyone.item() else None
+
+
+def _across_ranks() -> bool:
+    """Whether the ranks agree through collectives: not alone, and not torchtitan's dry run
+    on the "fake" backend, whose collectives return nothing."""
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+        and dist.get_backend() != "fake"
+    )
+
+
 def _check_same_cases_on_every_rank(cases: list[WeightCase]) -> None:
     """Averaging needs the same cases in the same order everywhere (each rank converts the
     whole model); a rank that differs would leave the others waiting in the all-reduce."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, cases)
     differing = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
@@ -111,6 +145,14 @@ def _check_same_cases_on_every_rank(cases: list[WeightCase]) -> None:
             f"{differing} have other weight shapes than rank 0 ({every[differing[0]]} against "
             f'{every[0]}); set float8_moe.policy = "always" for this layout'
         )
+
+
+def _timed_or_nan(case: WeightCase, *args) -> list[float]:
+    try:
+        return _time_case(case, *args)
+    except Exception as e:  # noqa: BLE001 - out of memory comes as several types; no rank may stop here
+        logger.warning(f"float8_moe: timing {case} failed ({e!r}); the cost model decides it")
+        return [math.nan, math.nan]  # NaN survives the ranks' average: all fall back alike
 
 
 def _time_case(
@@ -138,9 +180,12 @@ def _time_case(
 
     else:
         rows, matmul = case.rows, F.linear
-    x = random(rows, k).requires_grad_()
-    grad = random(rows, n)
-    autocast = dtype != torch.bfloat16 and len(case.shape) == 2
+    # torchtitan's grouped experts cast the tokens to bf16; a linear gets the model's
+    # activations: bf16 under autocast or FSDP's bf16, else the weight's dtype
+    plain_linear = len(case.shape) == 2 and not case.autocast
+    x = random(rows, k, dtype=dtype if plain_linear else torch.bfloat16).requires_grad_()
+    grad = random(rows, n, dtype=x.dtype)
+    autocast = case.autocast
 
     def call(ws: list[nn.Parameter]) -> None:
         with torch.autocast(device.type, torch.bfloat16) if autocast else nullcontext():

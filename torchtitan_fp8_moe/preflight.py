@@ -419,9 +419,10 @@ def describe_float8_moe(converter: Float8MoEConverter | None, dims: ParallelDims
         if converted < len(plan)
         else ""
     )
+    policy = describe_policy(converter.policy, converter.path, plan)
     return [
         f"float8_moe: {converter.recipe.description}, fqns {converter.fqns}, {converter.path} "
-        f"path ({converter.path_reason}), {describe_policy(converter.policy, converter.path)}; "
+        f"path ({converter.path_reason}), {policy}; "
         f"FSDP shard plan for {dims.world_size} ranks:",
         format_plan(plan),
         f"totals: {converted} converted weights{kept}, {padding_bytes} padding bytes "

@@ -7,7 +7,6 @@ import torch
 import torch._inductor.config
 from torchtitan.tools.logging import logger
 
-from .conversion import measuring_device
 from .policy import CALIBRATION
 from .sharding import ShardPlanRow, format_plan
 from .weight import fp8_kernels_available
@@ -68,20 +67,19 @@ def check_data_parallelism(parallel_dims) -> None:
         )
 
 
-def describe_policy(policy: str, path: str) -> str:
-    """The policy as the logs name it, with how it decides on CUDA: timed on this GPU
-    (``measure.py``), or estimated by a cost model fit on one GPU (``policy.py``)."""
+def describe_policy(policy: str, path: str, plan: list[ShardPlanRow]) -> str:
+    """The policy as the logs name it, with how it decided the ``plan``'s weights on CUDA: timed
+    on this GPU (``measure.py``), or estimated by a cost model fit on one GPU (``policy.py``)."""
     if path != "cuda" or policy == "always":
         return f"policy {policy}"
-    device = measuring_device(policy, emulate=False)
-    if device is not None:
-        gpu = torch.cuda.get_device_name(device)
-        return f"policy {policy} (each weight timed on this {gpu} at start-up)"
+    timed_on = next((row.timed_on for row in plan if row.timed_on), None)
+    if timed_on:
+        return f"policy {policy} (each weight timed on this {timed_on} at start-up)"
     if policy == "auto":
         return f"policy auto ({CALIBRATION})"
     return (
-        f"policy {policy} (each weight timed on the GPU at launch; no GPU here, so the verdicts "
-        "below are the cost model's estimates)"
+        f"policy {policy} (each weight timed on the GPU at launch; the verdicts below are the "
+        "cost model's estimates)"
     )
 
 
@@ -101,7 +99,7 @@ def conversion_message(
     kept = len(plan) - len(fp8_rows)
     text = (
         f"float8_moe: converted {len(fp8_rows)} expert weights of {modules} modules to "
-        f"{recipe_description}, {path} path ({path_reason}), {describe_policy(policy, path)}"
+        f"{recipe_description}, {path} path ({path_reason}), {describe_policy(policy, path, plan)}"
         + (
             f" (kept {kept} in bf16 at {tokens} tokens per rank and micro-batch, the plan says "
             'why; policy = "always" forces fp8)'

@@ -66,6 +66,7 @@ class ShardPlanRow:
     # with ``even_tp=False``; torchtitan runs such a split in bf16
     uneven_tp: str = ""
     tp_dim: int | None = None  # the dim tensor parallelism splits, if it does
+    timed_on: str = ""  # the GPU the policy timed this weight on (measure.py), if it did
 
 
 def plan_weight(

@@ -150,6 +150,7 @@ def convert_experts(model: nn.Module, settings: Float8MoEConverter.Config, run: 
         tokens=run.tokens,
         compiled=run.compiled,
         align_token_groups=False,  # the token dispatcher pads them (Float8MoEConverter.convert)
+        time_weights=run.launching,
     )
     model.float8_moe_shard_plan = plan
     warn, message = conversion_message(

@@ -92,6 +92,11 @@ class Run:
     def fp8_path(self, settings) -> tuple[bool, str, str]:
         return choose_fp8_path(settings.emulate, plan_target)
 
+    @property
+    def launching(self) -> bool:
+        """False while preflight plans the run for another machine's GPUs."""
+        return plan_target is None
+
     def to_dict(self) -> dict:
         """What the trainer's config dump shows of it."""
         return {
