@@ -159,6 +159,8 @@ def test_ranks_average_their_timings_and_fail_alike_on_differing_weights(dist_re
     assert timings[0] == timings[1] and len(timings[0]) == 2
     assert all(bf16 > 0 and fp8 > 0 for *_, bf16, fp8 in timings[0])
     for rank in ranks:
+        paths = rank["planned_without_gpu"]["paths"]
+        assert paths and all(path.startswith("cuda (measure: est.") for path in paths), paths
         error = rank["differing_cases"]["error"]
         assert error and "ranks [1] have other weight shapes than rank 0" in error, error
         assert 'policy = "always"' in error

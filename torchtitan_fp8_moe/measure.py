@@ -113,8 +113,9 @@ def time_cases(
 def timing_device(wanted: torch.device | None) -> torch.device | None:
     """This rank's choice (its GPU, or None to estimate) made every rank's: where any rank
     times, all do, each on its current GPU. A job mixing GPU models (an H200 estimates, another
-    GPU times) would otherwise leave ranks waiting in ``time_cases``'s collectives."""
-    if not _across_ranks():
+    GPU times) would otherwise leave ranks waiting in ``time_cases``'s collectives. Without
+    CUDA no rank can time (a plan for CUDA made on CPUs), so none asks the others."""
+    if not (_across_ranks() and torch.cuda.is_available()):
         return wanted
     gpu = torch.device("cuda", torch.cuda.current_device())
     anyone = torch.tensor([wanted is not None], dtype=torch.int32, device=gpu)
@@ -141,7 +142,7 @@ def _check_same_cases_on_every_rank(cases: list[WeightCase]) -> None:
     differing = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
     if differing:
         raise ValueError(
-            f"float8_moe: the auto policy times the expert weights on every rank, but ranks "
+            f"float8_moe: the policy times the expert weights on every rank, but ranks "
             f"{differing} have other weight shapes than rank 0 ({every[differing[0]]} against "
             f'{every[0]}); set float8_moe.policy = "always" for this layout'
         )

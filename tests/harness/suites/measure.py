@@ -4,6 +4,7 @@ error on every rank, not a hang, where the ranks would time different weights.""
 import torch
 import torch.distributed as dist
 
+from torchtitan_fp8_moe import convert
 from torchtitan_fp8_moe.measure import WeightCase, time_cases
 from torchtitan_fp8_moe.weight import WeightConfig
 
@@ -22,6 +23,14 @@ def suite_measure(mesh) -> dict:
             ],
         }
     }
+    # A plan for CUDA made on these CPUs (no GPU to time on): the cost model's verdicts, and no
+    # rank waits for another
+    scout = _scout()
+    plan = convert(scout, emulate=False, tokens=16384, policy="measure")
+    results["planned_without_gpu"] = {
+        "error": None,
+        "paths": sorted({row.path.split(" ms")[0] for row in plan}),
+    }
     differing = {WeightCase(64 + 16 * dist.get_rank(), (2, 32, 16), "bfloat16")}
     try:
         time_cases(differing, config, None, cpu)
@@ -29,3 +38,13 @@ def suite_measure(mesh) -> dict:
     except ValueError as e:
         results["differing_cases"] = {"error": str(e)}
     return results
+
+
+def _scout():
+    from dataclasses import replace
+
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec("llama4")
+    with torch.device("meta"):
+        return spec.model_cls(replace(spec.model_args["17bx16e"], n_layers=1))
