@@ -1,5 +1,7 @@
 """Small expert modules built from torchtitan's own MoE pieces, with inputs, for the tests."""
 
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 from torchtitan.models.moe.moe import (
@@ -8,12 +10,23 @@ from torchtitan.models.moe.moe import (
     _run_experts_for_loop,
     _run_experts_grouped_mm,
 )
+from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_fp8_moe.models.grouped_shared import GroupedSharedExpert
 from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
 DIM, HIDDEN, TOKENS = 32, 64, 48
+
+
+def scout_meta_model(n_layers: int = 1) -> nn.Module:
+    """torchtitan's Llama4 Scout (17bx16e) with ``n_layers`` layers, on the meta device: real
+    per-GPU shapes to plan and convert without memory."""
+    spec = get_train_spec("llama4")
+    with torch.device("meta"):
+        return spec.model_cls(replace(spec.model_args["17bx16e"], n_layers=n_layers))
+
+
 # "tiny_routed": every dimension of the weight below the largest world size (8).
 TINY_DIM, TINY_HIDDEN = 4, 6
 

@@ -486,7 +486,7 @@ def test_timing_policy_keeps_fp8_where_it_pays_on_this_gpu():
     H200, docs/benchmarks) are kept fp8; a tiny weight, where fp8's extra kernel launches cost
     more than its GEMM saves, stays bf16. convert with policy "measure" times, says so, frees
     what it timed with and leaves the CUDA generator as it was."""
-    from test_policy import _scout
+    from expert_modules import scout_meta_model
 
     from torchtitan_fp8_moe import convert
     from torchtitan_fp8_moe.measure import WeightCase, time_cases
@@ -497,7 +497,7 @@ def test_timing_policy_keeps_fp8_where_it_pays_on_this_gpu():
     assert timings[scout].fp8_pays, timings[scout]
     assert not timings[tiny].fp8_pays, timings[tiny]
     allocated, rng_state = torch.cuda.memory_allocated(), torch.cuda.get_rng_state()
-    plan = convert(_scout(), emulate=False, tokens=65536, policy="measure")
+    plan = convert(scout_meta_model(), emulate=False, tokens=65536, policy="measure")
     routed = [row for row in plan if ".experts." in row.fqn]
     assert all(row.fp8 and "(measure: measured" in row.path for row in routed), plan
     assert torch.cuda.memory_allocated() == allocated

@@ -5,8 +5,8 @@ CPU, and convert's GPU timer is replaced by fixed timings (tests/test_cuda.py ti
 
 import pytest
 import torch
+from expert_modules import scout_meta_model
 from test_converter import _parallel_dims
-from test_policy import _scout
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtitan_fp8_moe.conversion as conversion
@@ -90,12 +90,12 @@ def test_convert_decides_each_weight_from_its_timing(monkeypatch, policy):
 
     def timing_of(case):
         grouped = len(case.shape) == 3
-        return Timing(10.0, 8.0, case.weights) if grouped else Timing(4.0, 4.5, case.weights)
+        return Timing(10.0, 8.0) if grouped else Timing(4.0, 4.5)
 
     timed = _timed_by(timing_of, calls)
     monkeypatch.setattr(conversion, "time_cases", timed)
-    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cpu"))
-    model = _scout()
+    monkeypatch.setattr(conversion, "_measuring_device", lambda policy: torch.device("cpu"))
+    model = scout_meta_model()
     plan = convert(model, emulate=False, tokens=16384, policy=policy)
     [(cases, config, alignment, device)] = calls
     assert set(cases) == {  # one device: the linears run under the trainer's autocast
@@ -124,9 +124,9 @@ def test_timed_cases_are_the_local_shapes_in_the_all_gathered_dtype(monkeypatch)
     in bf16; TP 3 splits the shared expert unevenly, which keeps it bf16 untimed."""
     calls = []
     monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda case: Timing(1.0, 0.5), calls))
-    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cpu"))
+    monkeypatch.setattr(conversion, "_measuring_device", lambda policy: torch.device("cpu"))
     convert(
-        _scout(),
+        scout_meta_model(),
         emulate=False,
         tokens=8192,
         parallel_dims=_parallel_dims(8, tp=2),
@@ -139,7 +139,9 @@ def test_timed_cases_are_the_local_shapes_in_the_all_gathered_dtype(monkeypatch)
         WeightCase(8192, (16, 5120, 4096), "bfloat16"),
     }
     calls.clear()
-    plan = convert(_scout(), emulate=False, tokens=8192, parallel_dims=_parallel_dims(6, tp=3))
+    plan = convert(
+        scout_meta_model(), emulate=False, tokens=8192, parallel_dims=_parallel_dims(6, tp=3)
+    )
     assert all(len(case.shape) == 3 for case in calls[0][0])
     shared = [row for row in plan if "shared" in row.fqn]
     assert all(row.path.startswith("bf16 (auto: TP splits it unevenly") for row in shared)
@@ -149,7 +151,7 @@ def test_without_a_gpu_to_time_on_the_policies_estimate():
     """On this CPU machine nothing is timed: convert estimates by the cost model (preflight
     plans a CUDA run that way) under either policy, and says so in each row."""
     for policy in ("auto", "measure"):
-        plan = convert(_scout(), emulate=False, tokens=16384, policy=policy)
+        plan = convert(scout_meta_model(), emulate=False, tokens=16384, policy=policy)
         assert all(row.path.startswith(f"cuda ({policy}: est.") for row in plan)
 
 
@@ -190,8 +192,8 @@ def test_a_case_that_fails_to_time_is_left_to_the_cost_model(monkeypatch):
     assert not timings[large].timed and not timings[large].fp8_pays
     assert not timings[linear].timed and timings[small].timed
     monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda case: timings[large], []))
-    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cpu"))
-    plan = convert(_scout(), emulate=False, tokens=16384)
+    monkeypatch.setattr(conversion, "_measuring_device", lambda policy: torch.device("cpu"))
+    plan = convert(scout_meta_model(), emulate=False, tokens=16384)
     failed = "cuda (auto: timing failed on a rank (see the log), est."
     assert all(row.path.startswith(failed) and not row.timed_on for row in plan)
 
@@ -202,9 +204,9 @@ def test_weights_fp8_kernels_cannot_multiply_stay_bf16_untimed(monkeypatch):
     ("always" raises, naming the shape); the shared expert's shards still fit and are timed."""
     calls = []
     monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda case: Timing(2.0, 1.0), calls))
-    monkeypatch.setattr(conversion, "measuring_device", lambda p, e: torch.device("cpu"))
+    monkeypatch.setattr(conversion, "_measuring_device", lambda policy: torch.device("cpu"))
     dims = _parallel_dims(1024, tp=1024)
-    plan = convert(_scout(), emulate=False, tokens=16384, parallel_dims=dims)
+    plan = convert(scout_meta_model(), emulate=False, tokens=16384, parallel_dims=dims)
     unfit = [row for row in plan if not row.fp8]
     assert unfit and all(
         row.path
@@ -216,4 +218,4 @@ def test_weights_fp8_kernels_cannot_multiply_stay_bf16_untimed(monkeypatch):
     assert not timed_shapes & {row.local_shape for row in unfit}
     assert all(row.fp8 and row.timed_on == "cpu" for row in plan if row not in unfit)
     with pytest.raises(ValueError, match="multiples of 16"):
-        convert(_scout(), emulate=False, parallel_dims=dims, policy="always")
+        convert(scout_meta_model(), emulate=False, parallel_dims=dims, policy="always")

@@ -3,13 +3,12 @@ measurements it was fit to, and what it keeps in bf16 at the per-GPU shapes of r
 
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from expert_modules import scout_meta_model
 from test_converter import _parallel_dims
-from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_fp8_moe import Float8MoEWeight, convert
 
@@ -34,19 +33,13 @@ def test_estimates_have_the_measured_sign_wherever_fp8_is_10_percent_off_bf16():
     assert checked >= 20
 
 
-def _scout(n_layers: int = 1):
-    spec = get_train_spec("llama4")
-    with torch.device("meta"):
-        return spec.model_cls(replace(spec.model_args["17bx16e"], n_layers=n_layers))
-
-
 def _verdicts(plan) -> dict[str, bool]:
     return {row.fqn.split("moe.")[1]: row.fp8 for row in plan}
 
 
 def test_scout_fsdp_at_16k_tokens_converts_everything():
     """Measured 1.25x (eager and compiled) with every expert weight in fp8."""
-    model = _scout()
+    model = scout_meta_model()
     plan = convert(model, emulate=False, tokens=16384)
     assert all(row.fp8 for row in plan) and len(plan) == 6
     assert all("(auto: est." in row.path and "faster)" in row.path for row in plan)
@@ -56,7 +49,7 @@ def test_scout_fsdp_at_16k_tokens_converts_everything():
 def test_scout_fsdp_at_8k_tokens_keeps_the_routed_experts_bf16():
     """16 experts top-1 at 8K tokens: 512 tokens per expert do not pay for casting each
     [8192, 5120] expert weight twice; the shared expert (8K tokens, one weight) does."""
-    model = _scout()
+    model = scout_meta_model()
     verdicts = _verdicts(convert(model, emulate=False, tokens=8192))
     assert verdicts == {
         "experts.w1": False,
@@ -76,10 +69,12 @@ def test_scout_fsdp_at_8k_tokens_keeps_the_routed_experts_bf16():
 def test_scout_preset_tp8_etp8_stays_bf16_and_always_forces_fp8(compiled):
     """torchtitan's Scout preset (TP 8 x ETP 8): measured 0.54-0.87x with every weight in fp8."""
     dims = _parallel_dims(64, tp=8, etp=8)
-    plan = convert(_scout(), emulate=False, tokens=16384, parallel_dims=dims, compiled=compiled)
+    plan = convert(
+        scout_meta_model(), emulate=False, tokens=16384, parallel_dims=dims, compiled=compiled
+    )
     assert not any(row.fp8 for row in plan)
     assert all(row.path.startswith("bf16 (auto: fp8 est.") for row in plan)
-    forced = convert(_scout(), emulate=False, parallel_dims=dims, policy="always")
+    forced = convert(scout_meta_model(), emulate=False, parallel_dims=dims, policy="always")
     assert all(row.fp8 and row.path == "cuda" for row in forced)
 
 
@@ -87,7 +82,9 @@ def test_auto_converts_every_weight_under_a_recipe_without_a_cost_model():
     """The cost model is rowwise's: under recipe "blockwise" auto cannot weigh speed, so it
     converts what the user selected (where rowwise would stay bf16) and the plan says why."""
     dims = _parallel_dims(64, tp=8, etp=8)
-    plan = convert(_scout(), emulate=False, tokens=16384, parallel_dims=dims, recipe="blockwise")
+    plan = convert(
+        scout_meta_model(), emulate=False, tokens=16384, parallel_dims=dims, recipe="blockwise"
+    )
     assert len(plan) == 6
     assert all(
         row.fp8 and row.path == "cuda (auto: no cost model for blockwise, converted)"
@@ -100,25 +97,25 @@ def test_auto_keeps_a_weight_bf16_where_tensor_parallelism_splits_it_unevenly():
     so auto keeps those weights bf16 and says why (the shared expert would otherwise pay at 16K
     tokens); "always", which makes them fp8 (equal shares needed), names the split."""
     dims = _parallel_dims(6, tp=3)
-    plan = convert(_scout(), emulate=False, tokens=16384, parallel_dims=dims)
+    plan = convert(scout_meta_model(), emulate=False, tokens=16384, parallel_dims=dims)
     assert len(plan) == 6 and not any(row.fp8 for row in plan)
     shared = [row for row in plan if "shared_experts" in row.fqn]
     assert all(
         row.path == "bf16 (auto: TP splits it unevenly, fp8 needs equal shares)" for row in shared
     )
     with pytest.raises(ValueError, match=r"over tensor parallelism of degree 3"):
-        convert(_scout(), emulate=False, parallel_dims=dims, policy="always")
+        convert(scout_meta_model(), emulate=False, parallel_dims=dims, policy="always")
 
 
 def test_emulated_path_converts_everything_under_auto():
-    assert all(row.fp8 for row in convert(_scout(), emulate=True, tokens=64))
+    assert all(row.fp8 for row in convert(scout_meta_model(), emulate=True, tokens=64))
 
 
 def test_auto_on_cuda_needs_the_tokens_and_policy_must_be_known():
     with pytest.raises(ValueError, match="pass tokens="):
-        convert(_scout(), emulate=False)
+        convert(scout_meta_model(), emulate=False)
     with pytest.raises(ValueError, match="policy 'sometimes' is not one of"):
-        convert(_scout(), emulate=False, policy="sometimes")
+        convert(scout_meta_model(), emulate=False, policy="sometimes")
 
 
 @pytest.mark.parametrize(

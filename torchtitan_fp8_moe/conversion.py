@@ -121,7 +121,7 @@ def convert(
             weights.append((module, name, row, case))
     timings = {}
     if deciding and time_weights and fp8_recipe.has_cost_model:
-        device = timing_device(measuring_device(policy, emulate))
+        device = timing_device(_measuring_device(policy))
         if device is not None:
             cases = {case for _, _, row, case in weights if _fp8_fits(row, fp8_recipe)}
             alignment = fp8_recipe.token_group_alignment(emulate)
@@ -206,8 +206,8 @@ def _decide(
         return replace(row, path=f"bf16 ({policy}: {unfit})", fp8=False)
     if timing is not None and timing.timed:
         if timing.fp8_pays:
-            return replace(row, path=f"{row.path} ({policy}: {timing.describe()})")
-        return replace(row, path=f"bf16 ({policy}: fp8 {timing.describe()})", fp8=False)
+            return replace(row, path=f"{row.path} ({policy}: {timing.describe(case.weights)})")
+        return replace(row, path=f"bf16 ({policy}: fp8 {timing.describe(case.weights)})", fp8=False)
     estimated = "est." if timing is None else "timing failed on a rank (see the log), est."
     share = 1 / row.fsdp_degree if row.all_gather == "fp8" else 1.0
     gain = fp8_gain_ms(case.rows, row.local_shape, compiled, share)
@@ -236,10 +236,10 @@ def _trainer_autocasts(parallel_dims: "ParallelDims | None") -> bool:
     return not (parallel_dims.fsdp_enabled or parallel_dims.tp_enabled or parallel_dims.pp_enabled)
 
 
-def measuring_device(policy: str, emulate: bool) -> torch.device | None:
-    """The GPU ``convert`` times the weights on under ``policy`` (``measure.py``), or None
-    where the policy estimates them (``policy.py``) or converts without deciding."""
-    if emulate or policy == "always" or not torch.cuda.is_available():
+def _measuring_device(policy: str) -> torch.device | None:
+    """The GPU a deciding ``policy`` times the weights on (``measure.py``), or None where it
+    estimates them (``policy.py``)."""
+    if not torch.cuda.is_available():
         return None
     device = torch.device("cuda", torch.cuda.current_device())
     return device if times_weights(policy, torch.cuda.get_device_name(device)) else None

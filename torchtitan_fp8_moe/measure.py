@@ -62,7 +62,6 @@ class Timing:
 
     bf16_ms: float
     fp8_ms: float
-    weights: int = 1
 
     @property
     def timed(self) -> bool:
@@ -73,11 +72,12 @@ class Timing:
     def fp8_pays(self) -> bool:
         return self.bf16_ms - self.fp8_ms >= MARGIN * self.bf16_ms
 
-    def describe(self) -> str:
+    def describe(self, weights: int = 1) -> str:
+        """The verdict's numbers; ``weights``: how many the case timed side by side."""
         saved = self.bf16_ms - self.fp8_ms
         timed = f"bf16 {self.bf16_ms:.2f} ms, fp8 {self.fp8_ms:.2f}"
-        if self.weights > 1:
-            timed += f" for {self.weights} weights on the same tokens"
+        if weights > 1:
+            timed += f" for {weights} weights on the same tokens"
         if self.fp8_pays:
             return f"measured {saved:.2f} ms faster: {timed}"
         if saved > 0:
@@ -107,7 +107,7 @@ def time_cases(
         sums = torch.tensor(measured, dtype=torch.float64, device=device)
         dist.all_reduce(sums)
         measured = (sums / dist.get_world_size()).tolist()
-    return {case: Timing(*ms, case.weights) for case, ms in zip(ordered, measured, strict=True)}
+    return {case: Timing(*ms) for case, ms in zip(ordered, measured, strict=True)}
 
 
 def timing_device(wanted: torch.device | None) -> torch.device | None:
@@ -186,10 +186,9 @@ def _time_case(
     plain_linear = len(case.shape) == 2 and not case.autocast
     x = random(rows, k, dtype=dtype if plain_linear else torch.bfloat16).requires_grad_()
     grad = random(rows, n, dtype=x.dtype)
-    autocast = case.autocast
 
     def call(ws: list[nn.Parameter]) -> None:
-        with torch.autocast(device.type, torch.bfloat16) if autocast else nullcontext():
+        with torch.autocast(device.type, torch.bfloat16) if case.autocast else nullcontext():
             outs = [matmul(x, w) for w in ws]
         torch.autograd.backward(outs, [grad] * len(outs))
         x.grad = None

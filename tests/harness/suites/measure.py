@@ -3,6 +3,7 @@ error on every rank, not a hang, where the ranks would time different weights.""
 
 import torch
 import torch.distributed as dist
+from expert_modules import scout_meta_model
 
 from torchtitan_fp8_moe import convert
 from torchtitan_fp8_moe.measure import WeightCase, time_cases
@@ -25,8 +26,7 @@ def suite_measure(mesh) -> dict:
     }
     # A plan for CUDA made on these CPUs (no GPU to time on): the cost model's verdicts, and no
     # rank waits for another
-    scout = _scout()
-    plan = convert(scout, emulate=False, tokens=16384, policy="measure")
+    plan = convert(scout_meta_model(), emulate=False, tokens=16384, policy="measure")
     results["planned_without_gpu"] = {
         "error": None,
         "paths": sorted({row.path.split(" ms")[0] for row in plan}),
@@ -38,13 +38,3 @@ def suite_measure(mesh) -> dict:
     except ValueError as e:
         results["differing_cases"] = {"error": str(e)}
     return results
-
-
-def _scout():
-    from dataclasses import replace
-
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    spec = get_train_spec("llama4")
-    with torch.device("meta"):
-        return spec.model_cls(replace(spec.model_args["17bx16e"], n_layers=1))
