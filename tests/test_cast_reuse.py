@@ -75,7 +75,7 @@ def test_expert_ffn_casts_the_routed_tokens_once(device, tokens_per_expert, monk
     # Forward: x once for w1 and w3, then SiLU(x w1) * (x w3) for w2.
     assert casts == [("rows", DIM), ("rows", HIDDEN)]
     kept = cast_reuse._slot.kept  # w2's cast of its input: nothing reuses it
-    assert kept is not None and kept.cast is quantizers.rows
+    assert kept is not None and kept.cast is quantizers.tokens
     kept_fp8 = weakref.ref(kept.result[0])
     del kept
     if device == "cuda":
@@ -159,8 +159,8 @@ def test_a_changed_or_other_tensor_is_cast_again(device):
     fp8_grouped_mm(x, b1, offs, recipe, emulate)
     # Another tensor, equal values: cast on its own (the slot is keyed by identity).
     fp8_grouped_mm(y, b3, offs, recipe, emulate)
-    assert cast_reuse.take(recipe.quantizers(emulate).rows, y) is not None
-    assert cast_reuse.take(recipe.quantizers(emulate).rows, y) is None  # a hit empties the slot
+    assert cast_reuse.take(recipe.quantizers(emulate).tokens, y) is not None
+    assert cast_reuse.take(recipe.quantizers(emulate).tokens, y) is None  # a hit empties the slot
 
 
 def test_the_slot_holds_one_cast_and_only_keepable_tensors():

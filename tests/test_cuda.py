@@ -450,14 +450,65 @@ def test_a_shared_experts_backward_keeps_no_cast_after_it():
     assert cast_reuse._slot.kept is None
 
 
-def test_compiled_chunked_per_group_cast_equals_eager():
+def test_compiled_shared_expert_casts_its_tokens_once():
+    """A FeedForward shared expert compiled (w1 and w3: ``F.linear`` of the same tokens): one
+    fp8 cast of the tokens forward and one for both weight gradients, where the compiled code
+    without AOTAutograd's CSE casts them for each (``triton_quantize.tokens``), with the same
+    bits, and near eager's (inductor rounds SiLU and the product once, eager twice)."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+    from torchtitan.models.moe.moe import FeedForward
+
+    from torchtitan_fp8_moe.swap import swap_expert_weights
+
+    torch.manual_seed(0)
+    ffn = FeedForward(D, H).cuda().bfloat16()
+    swap_expert_weights(ffn, WeightConfig(emulate=False))
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+
+    def step(fn):
+        ffn.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = fn(xi)
+        out.backward(grad)
+        return [out, xi.grad, *(p.grad.clone() for p in ffn.parameters())]
+
+    ops = ("tokens_rowwise_fp8", "per_group_colwise_fp8_shared")
+
+    def compiled(cse: bool):
+        torch._dynamo.reset()
+        with fresh_cache(), functorch_config.patch(cse=cse):
+            results, codes = run_and_get_code(step, torch.compile(ffn, fullgraph=True))
+        code = "".join(codes)
+        return results, [code.count(f"torchtitan_fp8_moe.{op}.default(") for op in ops]
+
+    expected = step(ffn)
+    try:
+        (results, casts), (separate, separate_casts) = compiled(True), compiled(False)
+    finally:
+        torch._dynamo.reset()
+    assert casts == [2, 2] and separate_casts == [3, 3], (casts, separate_casts)
+    for value, apart, want in zip(results, separate, expected, strict=True):
+        assert torch.equal(value, apart)
+        assert sqnr(want, value) >= 30
+
+
+@pytest.mark.parametrize("quantizer", ["pair_op", "per_group_pair"])
+def test_compiled_chunked_per_group_cast_equals_eager(quantizer):
     """The weight gradient's per-group cast of a shared expert (one group: the chunked kernels,
     which take each operand's amax by atomic max into a zeroed buffer) compiled by inductor
     equals eager, with the allocator's free blocks holding large values first. With both amax
     buffers slices of one, inductor cloned the second from outside its slice and the compiled
-    trainer's shared-expert weight gradients came out wrong (docs/limitations.md)."""
+    trainer's shared-expert weight gradients came out wrong (docs/limitations.md). The pair op
+    (eager's cast) and the quantizer (compiled: the tokens' cast, shared, and the gradient's)."""
+    from torchtitan_fp8_moe.fp8 import triton_quantize
     from torchtitan_fp8_moe.fp8.kernels.triton_per_group import per_group_colwise_fp8_pair
 
+    cast = {
+        "pair_op": per_group_colwise_fp8_pair,
+        "per_group_pair": triton_quantize.per_group_pair,
+    }[quantizer]
     torch.manual_seed(0)
     tokens, k, n = 8192, 5120, 8192  # Scout's shared expert, w1 / w3
     a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
@@ -465,9 +516,7 @@ def test_compiled_chunked_per_group_cast_equals_eager():
     offs = torch.tensor([tokens], device="cuda", dtype=torch.int32)
 
     def both(a, grad, offs):  # two casts of the same shapes in one graph, as w3's then w1's
-        return per_group_colwise_fp8_pair(a, grad, offs), per_group_colwise_fp8_pair(
-            a, grad * 2, offs
-        )
+        return cast(a, grad, offs), cast(a, grad * 2, offs)
 
     expected = both(a, grad, offs)
     compiled = torch.compile(both, fullgraph=True)

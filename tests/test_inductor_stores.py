@@ -26,23 +26,28 @@ def _silu_backward_outputs(codes: list[str]) -> int:
 
 
 def _compiled_code_of_routed_experts():
-    """A function ``(dynamic) -> inductor's code`` for torchtitan's compiled routed experts,
-    forward and backward, with Triton's front end given a CUDA target and no kernel run."""
+    """A function ``(dynamic, feed_forward) -> inductor's code`` for torchtitan's compiled
+    routed experts (or with ``feed_forward`` a FeedForward shared expert), forward and backward,
+    with Triton's front end given a CUDA target and no kernel run."""
     import torch
     import torch._functorch.config as functorch_config
     import torch._inductor.async_compile as async_compile
     import torch._inductor.config as inductor_config
     import torch._inductor.graph as inductor_graph
     import triton
-    from torchtitan.models.moe.moe import _run_experts_grouped_mm
+    from torchtitan.models.moe.moe import FeedForward, _run_experts_grouped_mm
     from triton.backends.compiler import GPUTarget
 
     import torchtitan_fp8_moe.weight.base as weight_base
+    from torchtitan_fp8_moe.swap import swap_expert_weights
     from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
     class CudaTarget:
         def get_current_target(self):
             return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):  # a launch from a custom op's eager code
+            raise RuntimeError("not run")
 
     class NotRun:
         def __getattr__(self, name):
@@ -63,20 +68,28 @@ def _compiled_code_of_routed_experts():
     async_compile.AsyncCompile.triton = lambda self, *args, **kwargs: NotRun()
     weight_base.fp8_kernels_available = lambda device: True  # the CUDA path's ops, on CPU
 
-    def compiled_code(dynamic: bool = False) -> list[str]:
+    def compiled_code(dynamic: bool = False, feed_forward: bool = False) -> list[str]:
         codes.clear()
         torch._dynamo.reset()
         torch.manual_seed(0)
         experts, dim, hidden, tokens = 4, 64, 128, 256
-        params = [
-            torch.nn.Parameter(Float8MoEWeight(torch.randn(*s) * 0.02, WeightConfig(emulate=False)))
-            for s in ((experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim))
-        ]
         x = torch.randn(tokens, dim, dtype=torch.bfloat16, requires_grad=True)
-        counts = torch.tensor([64, 0, 128, 64])
-        compiled = torch.compile(_run_experts_grouped_mm, fullgraph=True, dynamic=dynamic)
+        if feed_forward:
+            ffn = FeedForward(dim, hidden).bfloat16()
+            swap_expert_weights(ffn, WeightConfig(emulate=False))
+            call, args = torch.compile(ffn, fullgraph=True, dynamic=dynamic), (x,)
+        else:
+            params = [
+                torch.nn.Parameter(
+                    Float8MoEWeight(torch.randn(*s) * 0.02, WeightConfig(emulate=False))
+                )
+                for s in ((experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim))
+            ]
+            counts = torch.tensor([64, 0, 128, 64])
+            call = torch.compile(_run_experts_grouped_mm, fullgraph=True, dynamic=dynamic)
+            args = (*params, x, counts)
         with pytest.raises(RuntimeError, match="not run"):  # not an error of inductor's
-            compiled(*params, x, counts)
+            call(*args)
         return list(codes)
 
     return compiled_code
@@ -94,6 +107,27 @@ def _check_silu_gradients_stored_once() -> None:
     # Two gradients, each stored once; without the fix, once per kernel of ours that reads it.
     assert stored_once == 2, stored_once
     assert stored_per_reader > stored_once, stored_per_reader
+
+
+def _check_shared_token_casts_merged() -> None:
+    import torch._functorch.config as functorch_config
+
+    compiled_code = _compiled_code_of_routed_experts()
+
+    def calls(feed_forward: bool, cse: bool) -> tuple[int, int]:
+        with functorch_config.patch(cse=cse):
+            code = "\n".join(compiled_code(feed_forward=feed_forward))
+        ops = ("tokens_rowwise_fp8", "per_group_colwise_fp8_shared")
+        return tuple(code.count(f"torchtitan_fp8_moe.{op}.default(") for op in ops)
+
+    for feed_forward in (False, True):
+        # x for w1 and w3 once, SiLU(x w1) * (x w3) for w2; each once forward (the row casts)
+        # and once for the weight gradients (the per-group casts).
+        merged = calls(feed_forward, cse=True)
+        assert merged == (2, 2), (feed_forward, merged)
+        # w1's and w3's casts of x apart: the check can fail.
+        separate = calls(feed_forward, cse=False)
+        assert separate == (3, 3), (feed_forward, separate)
 
 
 def _check_dynamic_shapes_lower() -> None:
@@ -133,3 +167,10 @@ def test_routed_experts_compile_with_dynamic_shapes():
     meets another expert count), inductor lowers the routed experts' forward and backward, and
     torch's analysis of our Triton kernels takes none of them as writing its inputs."""
     run_in_fresh_process("test_inductor_stores", "_check_dynamic_shapes_lower")
+
+
+def test_compiled_experts_cast_the_shared_tokens_once():
+    """Compiled routed experts and a compiled FeedForward: w1 and w3 share one fp8 cast of
+    their tokens, forward and for the weight gradients (``triton_quantize.tokens``: pure custom
+    ops that AOTAutograd's CSE merges). Without the CSE, each casts them."""
+    run_in_fresh_process("test_inductor_stores", "_check_shared_token_casts_merged")

@@ -23,6 +23,11 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_1x128(x)
 
 
+def tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of a GEMM's forward tokens (``triton_quantize.tokens``)."""
+    return rows(x)
+
+
 def weight(
     b: torch.Tensor, round_to: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

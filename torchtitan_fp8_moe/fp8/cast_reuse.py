@@ -13,7 +13,9 @@ it moved the allocator's layout from step to step and fragmented it). Writes
 that bypass the version counter (through ``x.data`` or raw pointers) are not seen: do not make
 them between two expert GEMMs.
 
-Eager only: a Python side table would break a compiled graph, so compiled code casts every time.
+Eager only: a Python side table would break a compiled graph. There the rowwise recipe's CUDA
+casts of the tokens are pure custom ops, whose equal calls AOTAutograd merges
+(``triton_quantize.tokens``).
 Inference tensors (no version counter) and tensor subclasses are never kept.
 """
 

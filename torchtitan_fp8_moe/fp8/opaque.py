@@ -19,7 +19,8 @@ def compile_opaque(
 ) -> Callable:
     """``fn`` registered as the custom op ``torchtitan_fp8_moe::<name>`` with ``fake`` as its
     shape rule, so that torch.compile calls it as one opaque node instead of tracing into it (a
-    grouped mm whose shape rule takes bf16 only). Eager calls run ``eager`` (default ``fn``)."""
+    grouped mm whose shape rule takes bf16 only), a pure one that AOTAutograd's CSE merges with
+    an equal call (a cast of the same tokens). Eager calls run ``eager`` (default ``fn``)."""
     op = torch.library.custom_op(f"torchtitan_fp8_moe::{name}", fn, mutates_args=())
     op.register_fake(fake)
     return _eager_or_op(eager or fn, op)

@@ -43,7 +43,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         """``b_payloads``: the four tensors of ``WeightPayloads``, or none to quantize b (through
         ``cached`` if given); with them b carries only its shape and dtype."""
         quantize = recipe.quantizers(emulate)
-        a_fp8, a_scale = cast_reuse.cast_once(quantize.rows, a)  # w1's cast of x serves w3
+        a_fp8, a_scale = cast_reuse.cast_once(quantize.tokens, a)  # w1's cast of x serves w3
         if b_payloads:
             b_fp8, b_scale, b_t_fp8, b_t_scale = b_payloads
             ctx.save_for_backward(a, offs, b_t_fp8, b_t_scale)
@@ -64,7 +64,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         quantize = recipe.quantizers(emulate)
         # The last forward's cast, kept for nothing (or, under DualPipeV, the other thread's
         # forward cast: that forward casts again, see cast_reuse.py).
-        cast_reuse.discard(quantize.rows)
+        cast_reuse.discard(quantize.tokens)
         grad_a = grad_b = None
 
         def weight_grad():

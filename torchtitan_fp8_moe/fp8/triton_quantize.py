@@ -18,9 +18,14 @@ from torchao.prototype.moe_training.kernels import (
 
 from . import cast_reuse
 from .gemm import column_major
-from .kernels.triton_per_group import per_group_colwise_fp8, per_group_colwise_fp8_pair
+from .kernels.triton_per_group import (
+    per_group_colwise_fp8,
+    per_group_colwise_fp8_pair,
+    per_group_colwise_fp8_shared,
+)
 from .kernels.triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
 from .kernels.triton_transposed import transposed_fp8
+from .opaque import compile_opaque
 from .quantize import FP8_DTYPE, amax_along, rounded
 
 
@@ -31,6 +36,23 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return triton_fp8_rowwise_2d_scale_and_cast(
         x.contiguous(), output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
     )
+
+
+# The casts that w1 and w3 share (the same tokens, the same rule). Eager code keeps the first
+# for the second (``cast_reuse.py``). A compiled graph cannot read that table, and a triton op's
+# launches are never equal graph nodes (each has its own output buffers and constant-args
+# entry), so compiled code cast the tokens once per projection. As pure custom ops, the two
+# calls on the same tokens are equal nodes, which AOTAutograd's CSE merges into one. Under
+# compile every forward input's cast is such an op, shared or not (w2's too): each call pays the
+# op's dispatch and Triton's Python launcher, host time a triton op does not
+# (``opaque.compile_triton``). Eager calls run the kernels directly.
+def _tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of a GEMM's forward input (looked up at call time, so that wrappers of ``rows``
+    see it)."""
+    return rows(x)
+
+
+tokens = compile_opaque("tokens_rowwise_fp8", _tokens, rows)
 
 
 # The forward weight cast takes the amax over N in the same read only for rows (K) longer than
@@ -89,7 +111,9 @@ def _in_kernel_rounding(b: torch.Tensor, round_to: torch.dtype | None):
 def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
     """Per-group scales over tokens for the weight-gradient GEMM: ``(a_fp8, a_scales [G, K],
     grad_fp8, grad_scales [G, N])``, data column-major. w3's backward casts the routed tokens
-    for w1's too (``cast_reuse.py``)."""
+    for w1's too: eager through ``cast_reuse.py``, compiled as one node (see ``tokens``)."""
+    if torch.compiler.is_compiling():
+        return (*per_group_colwise_fp8_shared(a, offs), *per_group_colwise_fp8(grad, offs))
     kept = cast_reuse.take(per_group_pair, a, offs)
     if kept is not None:
         return (*kept, *per_group_colwise_fp8(grad, offs))

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..opaque import compile_triton, launcher
+from ..opaque import compile_opaque, compile_triton, launcher
 from ..quantize import AMAX_FLOOR, FP8_DTYPE, FP8_MATRIX_ALIGNMENT, FP8_MAX
 from .triton_rules import pow2_scale, saturate
 
@@ -453,3 +453,8 @@ def _colwise_fp8(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, tor
 
 per_group_colwise_fp8_pair = compile_triton("per_group_colwise_fp8_pair", _colwise_fp8_pair)
 per_group_colwise_fp8 = compile_triton("per_group_colwise_fp8", _colwise_fp8)
+# The same cast as a pure custom op under compile, whose equal calls (w3's and w1's weight
+# gradients cast the same tokens) are merged into one (``triton_quantize.tokens``).
+per_group_colwise_fp8_shared = compile_opaque(
+    "per_group_colwise_fp8_shared", _colwise_fp8, per_group_colwise_fp8
+)
