@@ -52,7 +52,7 @@ def _to_float8_moe(module: nn.Module, emulate: bool = False) -> nn.Module:
 
     if isinstance(module, Projection):
         module.weight = nn.Parameter(
-            Float8MoEWeight(module.weight.data, WeightConfig(emulate=emulate))
+            Float8MoEWeight(module.weight.data, WeightConfig(emulate=emulate, shares_input=False))
         )
     for _, expert in expert_modules(module):
         swap_expert_weights(expert, WeightConfig(emulate=emulate))

@@ -113,7 +113,7 @@ def _patch() -> None:
                 want = torch_fn(*args, **kwargs)
             if name == "weight":
                 _record("quantize.weight amax over N", tuple(args[0].shape), got[2], want[2], [])
-            if name == "per_group_pair":
+            if name in ("per_group_pair", "tokens_per_group_pair"):
                 pairs = zip(pair_values(got, args[-1]), pair_values(want, args[-1]), strict=True)
             else:
                 # data and scales (the weight's forward cast also returns an amax)
@@ -124,7 +124,7 @@ def _patch() -> None:
 
         setattr(triton_quantize, name, quantize)
 
-    for name in ("rows", "weight", "weight_transposed", "per_group_pair"):
+    for name in ("rows", "weight", "weight_transposed", "per_group_pair", "tokens_per_group_pair"):
         checked(name)
 
 

@@ -2,6 +2,7 @@
 results of casting them twice, and never reused for a tensor that changed or is another one.
 Runs emulated on CPU, and on CUDA too where a GPU with fp8 is present."""
 
+import copy
 import threading
 import weakref
 
@@ -30,6 +31,9 @@ def empty_slot():
 
 
 def _weights(device, emulate):
+    """w1, w2, w3, plain and converted: each with the default ``shares_input``, w2 too (the
+    converter would not mark it), so that w2's forward leaves a cast in the slot for the
+    backward to drop."""
     torch.manual_seed(0)
     shapes = ((EXPERTS, HIDDEN, DIM), (EXPERTS, DIM, HIDDEN), (EXPERTS, HIDDEN, DIM))
     plain = [torch.randn(s, device=device, dtype=torch.bfloat16) * 0.05 for s in shapes]
@@ -74,7 +78,7 @@ def test_expert_ffn_casts_the_routed_tokens_once(device, tokens_per_expert, monk
     out = _run_experts_grouped_mm(*converted, x_fp8, counts)
     # Forward: x once for w1 and w3, then SiLU(x w1) * (x w3) for w2.
     assert casts == [("rows", DIM), ("rows", HIDDEN)]
-    kept = cast_reuse._slot.kept  # w2's cast of its input: nothing reuses it
+    kept = cast_reuse._slot.kept  # w2's cast of its input (marked as shared): nothing takes it
     assert kept is not None and kept.cast is quantizers.tokens
     kept_fp8 = weakref.ref(kept.result[0])
     del kept
@@ -272,3 +276,66 @@ def test_a_cast_kept_in_a_backward_is_dropped_when_it_ends():
     assert cast_reuse._slot.kept is None, "the backward's kept cast outlived it"
     cast_reuse.keep(cast, x, (), (x.clone(),))  # outside a backward: kept until taken
     assert cast_reuse.holds(cast, x)
+
+
+@pytest.mark.parametrize("module_kind", ["routed", "feed_forward"])
+def test_only_the_gate_and_up_projections_share_their_casts(module_kind, monkeypatch):
+    """The converter marks w1 and w3 as sharing their input, w2 not (``swap_expert_weights``):
+    w2's forward cast is kept for no other GEMM, where a weight that may share keeps it until
+    the next cast that looks (its fp8 copy lived on into the next layer). The results are the
+    same bytes either way."""
+    from dataclasses import replace
+
+    from torchtitan.models.moe.moe import FeedForward, GroupedExperts
+
+    from torchtitan_fp8_moe.swap import swap_expert_weights
+
+    torch.manual_seed(0)
+    if module_kind == "routed":
+        base = GroupedExperts(DIM, HIDDEN, EXPERTS, use_grouped_mm=True)
+        counts = torch.tensor(TOKENS_PER_EXPERT)
+        tokens = sum(TOKENS_PER_EXPERT)
+    else:
+        base = FeedForward(DIM, HIDDEN)
+        tokens = 48
+    base = base.bfloat16()
+    for p in base.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(tokens, DIM, dtype=torch.bfloat16)
+    casts = []
+    quantizers = recipe_named("rowwise").quantizers(emulate=True)
+    _logging(monkeypatch, quantizers, ["rows", "per_group_pair", "tokens_per_group_pair"], casts)
+    results, kept = {}, {}
+    for marked in (True, False):  # by the converter, or every weight may share
+        module = copy.deepcopy(base)
+        swap_expert_weights(module, WeightConfig(emulate=True))
+        converted = {name: p for name, p in module.named_parameters()}
+        assert {n for n, p in converted.items() if p.config.shares_input} == (
+            {"w1", "w3"} if module_kind == "routed" else {"w1.weight", "w3.weight"}
+        )
+        if not marked:
+            for p in converted.values():
+                p.config = replace(p.config, shares_input=True)
+        casts.clear()
+        xi = x.clone().requires_grad_()
+        if module_kind == "routed":  # its forward without the token padding (a Triton kernel)
+            out = _run_experts_grouped_mm(module.w1, module.w2, module.w3, xi, counts)
+        else:
+            out = module(xi)
+        assert casts == [("rows", DIM), ("rows", HIDDEN)], casts  # x once, then w2's input
+        kept[marked] = cast_reuse._slot.kept
+        casts.clear()
+        out.float().square().sum().backward()
+        pairs = [name for name, _ in casts if name.endswith("per_group_pair")]
+        # w2's, then w3's and w1's (``tokens_per_group_pair``, calling ``per_group_pair``)
+        shared = ["tokens_per_group_pair", "per_group_pair"]
+        assert pairs == (["per_group_pair"] + shared * 2 if marked else shared * 3), pairs
+        results[marked] = [out, xi.grad, *(p.grad for p in module.parameters())]
+    assert kept[True] is None and kept[False] is not None
+    for a, b in zip(results[True], results[False], strict=True):
+        assert torch.equal(a, b)
+    # w1 converted without w3 (a policy kept w3 bf16): nothing to share with
+    only_w1 = copy.deepcopy(base)
+    suffix = "" if module_kind == "routed" else ".weight"
+    swapped = swap_expert_weights(only_w1, WeightConfig(emulate=True), {f"w1{suffix}"})
+    assert [(name, p.config.shares_input) for name, p in swapped] == [(f"w1{suffix}", False)]

@@ -161,6 +161,7 @@ def _time_case(
 ) -> list[float]:
     dtype = getattr(torch, case.dtype)
     n, k = case.shape[-2:]
+    config = replace(config, shares_input=case.weights > 1)  # as the converter marks them
 
     def random(*shape, dtype=torch.bfloat16):
         return torch.randn(shape, dtype=dtype, device=device, generator=generator)

@@ -13,6 +13,7 @@ the same shape converts like torchtitan's:
 """
 
 from collections import defaultdict
+from dataclasses import replace
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -163,8 +164,10 @@ def swap_expert_weights(
     module: nn.Module, config: WeightConfig, names: set[str] | None = None
 ) -> list[tuple[str, nn.Parameter]]:
     """Wrap the expert weights of an expert module in place (other parameters such as biases
-    stay plain), each carrying ``config``; returns (name, new parameter) with
-    ``expert_weight_names``' names. ``names``: only these of them."""
+    stay plain), each carrying ``config``, with ``shares_input`` (if ``config`` has it) only
+    where both the gate and the up projection are converted (``same_input_weights``, by name:
+    w1 and w3); returns (name, new parameter) with ``expert_weight_names``' names. ``names``:
+    only these of them."""
     owners = []  # (name, the module holding the parameter, its attribute there)
     for name in expert_weight_names(module):
         prefix, _, attr = name.rpartition(".")
@@ -181,13 +184,15 @@ def swap_expert_weights(
                 )
     if names is not None:
         owners = [owner for owner in owners if owner[0] in names]
+    partners = same_input_weights([name for name, _, _ in owners])  # both converted
+    sharing = config.shares_input
     swapped = []
     for name, owner, attr in owners:
         param = getattr(owner, attr)
         if isinstance(param, Float8MoEWeight):
             raise ValueError(f"float8_moe: {name} of {type(module).__name__} is already converted")
         new_param = nn.Parameter(
-            Float8MoEWeight(param.data, config),
+            Float8MoEWeight(param.data, replace(config, shares_input=sharing and name in partners)),
             requires_grad=param.requires_grad,
         )
         setattr(owner, attr, new_param)

@@ -57,7 +57,7 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` of a GEMM's forward tokens (``triton_quantize.tokens``)."""
+    """``rows`` of tokens another GEMM multiplies too (``triton_quantize.tokens``)."""
     return rows(x)
 
 
@@ -127,3 +127,9 @@ def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
     slots). Rows of no group quantize to zero."""
     blocks, slots = token_blocks(offs, a.shape[0])
     return (*_per_token_block(a, blocks, slots), *_per_token_block(grad, blocks, slots))
+
+
+def tokens_per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
+    """``per_group_pair`` of tokens another weight gradient casts too
+    (``triton_quantize.tokens_per_group_pair``)."""
+    return per_group_pair(a, grad, offs)

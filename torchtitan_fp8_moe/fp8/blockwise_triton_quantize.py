@@ -24,7 +24,7 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` of a GEMM's forward tokens (``triton_quantize.tokens``)."""
+    """``rows`` of tokens another GEMM multiplies too (``triton_quantize.tokens``)."""
     return rows(x)
 
 
@@ -51,3 +51,9 @@ def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
     """128 x 1 tiles over each group's tokens: ``(a_fp8, a_scales [slots, K], grad_fp8,
     grad_scales [slots, N])``, data token-contiguous, rows of no group 0."""
     return (*quantize_128x1(a, offs), *quantize_128x1(grad, offs))
+
+
+def tokens_per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
+    """``per_group_pair`` of tokens another weight gradient casts too
+    (``triton_quantize.tokens_per_group_pair``)."""
+    return per_group_pair(a, grad, offs)

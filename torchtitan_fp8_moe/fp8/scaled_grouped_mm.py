@@ -39,11 +39,15 @@ def transposed_quantizer(quantize, state):
 
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, offs, recipe: Recipe, emulate: bool, cached, *b_payloads):
-        """``b_payloads``: the four tensors of ``WeightPayloads``, or none to quantize b (through
+    def forward(ctx, a, b, offs, recipe: Recipe, emulate: bool, shared_a, cached, *b_payloads):
+        """``shared_a``: another GEMM multiplies ``a`` too, and shares its casts (w1 and w3).
+        ``b_payloads``: the four tensors of ``WeightPayloads``, or none to quantize b (through
         ``cached`` if given); with them b carries only its shape and dtype."""
         quantize = recipe.quantizers(emulate)
-        a_fp8, a_scale = cast_reuse.cast_once(quantize.tokens, a)  # w1's cast of x serves w3
+        if shared_a:  # w1's cast of x serves w3
+            a_fp8, a_scale = cast_reuse.cast_once(quantize.tokens, a)
+        else:
+            a_fp8, a_scale = quantize.rows(a)
         if b_payloads:
             b_fp8, b_scale, b_t_fp8, b_t_scale = b_payloads
             ctx.save_for_backward(a, offs, b_t_fp8, b_t_scale)
@@ -53,6 +57,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             b_fp8, b_scale, b_state = quantize_weight(b, "forward", quantize.weight, cached)
             ctx.save_for_backward(a, offs, b, b_state)
         ctx.recipe, ctx.emulate, ctx.cached, ctx.b_dtype = recipe, emulate, cached, b.dtype
+        ctx.shared_a = shared_a
         ctx.b_columns = b.shape[0] * b.shape[-1]  # G * N: b's fp8 copy is K * this bytes
         ctx.payload_count = len(b_payloads)
         return recipe.grouped_mm(a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, emulate)
@@ -68,7 +73,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         grad_a = grad_b = None
 
         def weight_grad():
-            a_fp8, a_scales, grad_fp8, grad_scales = quantize.per_group_pair(a, grad_out, offs)
+            pair = quantize.tokens_per_group_pair if ctx.shared_a else quantize.per_group_pair
+            a_fp8, a_scales, grad_fp8, grad_scales = pair(a, grad_out, offs)
             return recipe.grouped_wgrad_mm(
                 a_fp8, a_scales, grad_fp8, grad_scales, offs, ctx.b_dtype, emulate
             )
@@ -80,7 +86,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             grad_a = _input_grad(ctx, grad_out, a.dtype, offs, weight_saved, quantize)
         if ctx.needs_input_grad[1] and not weight_first:
             grad_b = weight_grad()
-        return grad_a, grad_b, None, None, None, None, *([None] * ctx.payload_count)
+        return grad_a, grad_b, None, None, None, None, None, *([None] * ctx.payload_count)
 
 
 def _weight_grad_first(ctx, a, offs, quantize) -> bool:
@@ -92,8 +98,10 @@ def _weight_grad_first(ctx, a, offs, quantize) -> bool:
     or is smaller than a's (M > G * N: many tokens, small experts). (``holds`` first: it is
     False in compiled code, which then compares no symbolic sizes.)"""
     keeps_copies = ctx.cached is not None and ctx.cached.keeps_copies
-    return cast_reuse.holds(quantize.per_group_pair, a, offs) and (
-        ctx.payload_count > 0 or keeps_copies or a.shape[0] > ctx.b_columns
+    return (
+        ctx.shared_a
+        and cast_reuse.holds(quantize.tokens_per_group_pair, a, offs)
+        and (ctx.payload_count > 0 or keeps_copies or a.shape[0] > ctx.b_columns)
     )
 
 
@@ -118,13 +126,16 @@ def fp8_grouped_mm(
     recipe: Recipe,
     emulate: bool,
     cached: WeightSource = None,
+    shared_a: bool = True,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)`` in fp8 by ``recipe``. ``cached``
     gives b's fp8 copies instead of quantizing b: from a cache while b is unchanged
-    (``weight_cache.py``), or the payloads an fp8 all-gather brought (``gathered.py``)."""
+    (``weight_cache.py``), or the payloads an fp8 all-gather brought (``gathered.py``).
+    ``shared_a``: another GEMM may multiply the same ``a`` (w1 and w3), which then shares its
+    fp8 casts (``WeightConfig.shares_input``)."""
     if isinstance(cached, WeightPayloads):
-        return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, None, *cached)
-    return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, cached)
+        return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, shared_a, None, *cached)
+    return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, shared_a, cached)
 
 
 def _made_on_host(offs: torch.Tensor, values, recipe: Recipe, emulate: bool) -> None:
@@ -135,7 +146,12 @@ def _made_on_host(offs: torch.Tensor, values, recipe: Recipe, emulate: bool) -> 
 
 
 def fp8_batched_mm(
-    a: torch.Tensor, b: torch.Tensor, recipe: Recipe, emulate: bool, cached: WeightSource = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    recipe: Recipe,
+    emulate: bool,
+    cached: WeightSource = None,
+    shared_a: bool = True,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8."""
     groups, tokens, _ = a.shape
@@ -152,16 +168,22 @@ def fp8_batched_mm(
         )
     offs = torch.arange(1, groups + 1, device=a.device, dtype=torch.int32) * tokens
     _made_on_host(offs, range(tokens, (groups + 1) * tokens, tokens), recipe, emulate)
-    out = fp8_grouped_mm(a.reshape(groups * tokens, -1), b, offs, recipe, emulate, cached)
+    a_2d = a.reshape(groups * tokens, -1)
+    out = fp8_grouped_mm(a_2d, b, offs, recipe, emulate, cached, shared_a=shared_a)
     return out.view(groups, tokens, -1)
 
 
 def fp8_matmul(
-    a: torch.Tensor, b: torch.Tensor, recipe: Recipe, emulate: bool, cached: WeightSource = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    recipe: Recipe,
+    emulate: bool,
+    cached: WeightSource = None,
+    shared_a: bool = True,
 ) -> torch.Tensor:
     """``a [..., K] @ b [K, N]`` in fp8 (a linear layer's ``x @ W^T`` has b = W^T)."""
     a_2d = a.reshape(-1, a.shape[-1])
     offs = torch.full((1,), a_2d.shape[0], device=a.device, dtype=torch.int32)
     _made_on_host(offs, [a_2d.shape[0]], recipe, emulate)
-    out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, recipe, emulate, cached)
+    out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, recipe, emulate, cached, shared_a=shared_a)
     return out.view(*a.shape[:-1], b.shape[-1])

@@ -12,7 +12,7 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` of a GEMM's forward tokens (``triton_quantize.tokens``)."""
+    """``rows`` of tokens another GEMM multiplies too (``triton_quantize.tokens``)."""
     return rows(x)
 
 
@@ -57,3 +57,9 @@ def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
         *_per_group_along_tokens(a, groups, num_groups),
         *_per_group_along_tokens(grad, groups, num_groups),
     )
+
+
+def tokens_per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
+    """``per_group_pair`` of tokens another weight gradient casts too
+    (``triton_quantize.tokens_per_group_pair``)."""
+    return per_group_pair(a, grad, offs)

@@ -42,13 +42,13 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # for the second (``cast_reuse.py``). A compiled graph cannot read that table, and a triton op's
 # launches are never equal graph nodes (each has its own output buffers and constant-args
 # entry), so compiled code cast the tokens once per projection. As pure custom ops, the two
-# calls on the same tokens are equal nodes, which AOTAutograd's CSE merges into one. Under
-# compile every forward input's cast is such an op, shared or not (w2's too): each call pays the
-# op's dispatch and Triton's Python launcher, host time a triton op does not
-# (``opaque.compile_triton``). Eager calls run the kernels directly.
+# calls on the same tokens are equal nodes, which AOTAutograd's CSE merges into one. Each call
+# pays the op's dispatch and Triton's Python launcher, host time a triton op does not
+# (``opaque.compile_triton``), so only weights that share their input take this path
+# (``WeightConfig.shares_input``). Eager calls run the kernels directly.
 def _tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` of a GEMM's forward input (looked up at call time, so that wrappers of ``rows``
-    see it)."""
+    """``rows`` of tokens that another GEMM multiplies too (looked up at call time, so that
+    wrappers of ``rows`` see it)."""
     return rows(x)
 
 
@@ -110,13 +110,19 @@ def _in_kernel_rounding(b: torch.Tensor, round_to: torch.dtype | None):
 
 def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
     """Per-group scales over tokens for the weight-gradient GEMM: ``(a_fp8, a_scales [G, K],
-    grad_fp8, grad_scales [G, N])``, data column-major. w3's backward casts the routed tokens
-    for w1's too: eager through ``cast_reuse.py``, compiled as one node (see ``tokens``)."""
+    grad_fp8, grad_scales [G, N])``, data column-major."""
+    return per_group_colwise_fp8_pair(a, grad, offs)
+
+
+def tokens_per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
+    """``per_group_pair`` where another weight gradient casts the same tokens ``a`` (w3's and
+    w1's): eager keeps a's cast for it (``cast_reuse.py``), compiled code makes it one node (see
+    ``tokens``)."""
     if torch.compiler.is_compiling():
         return (*per_group_colwise_fp8_shared(a, offs), *per_group_colwise_fp8(grad, offs))
-    kept = cast_reuse.take(per_group_pair, a, offs)
+    kept = cast_reuse.take(tokens_per_group_pair, a, offs)
     if kept is not None:
         return (*kept, *per_group_colwise_fp8(grad, offs))
-    a_fp8, a_scales, grad_fp8, grad_scales = per_group_colwise_fp8_pair(a, grad, offs)
-    cast_reuse.keep(per_group_pair, a, (offs,), (a_fp8, a_scales))
+    a_fp8, a_scales, grad_fp8, grad_scales = per_group_pair(a, grad, offs)
+    cast_reuse.keep(tokens_per_group_pair, a, (offs,), (a_fp8, a_scales))
     return a_fp8, a_scales, grad_fp8, grad_scales

@@ -19,6 +19,11 @@ class WeightConfig:
     # (weight/tensor.py); off for compiled code whose graph breaks between such a cast and its
     # matmul, where the cast would cross a graph boundary.
     lazy_cast: bool = True
+    # Another weight multiplies the same tokens (w1 and w3): their fp8 casts of the tokens are
+    # made once for both, kept for the other in eager code and merged in compiled graphs, where
+    # they are custom ops that cost host time per call (fp8/triton_quantize.py). The converter
+    # turns it off for weights without such a partner by name (w2; swap.same_input_weights).
+    shares_input: bool = True
 
     def __post_init__(self):
         recipe_named(self.recipe)  # an unknown recipe fails here, naming the option

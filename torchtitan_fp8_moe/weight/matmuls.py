@@ -13,14 +13,21 @@ def _grouped_mm(a, weight, offs=None, bias=None, out_dtype=None):
         )
     b, source = weight.fp8_operand()
     if a.ndim == 2 and b.ndim == 3 and offs is not None:
-        return fp8_grouped_mm(a, b, offs, *weight.fp8_path(), source)
+        return fp8_grouped_mm(a, b, offs, **_fp8_args(weight, source))
     if a.ndim == 3 and b.ndim == 3 and offs is None:
-        return fp8_batched_mm(a, b, *weight.fp8_path(), source)
+        return fp8_batched_mm(a, b, **_fp8_args(weight, source))
     raise NotImplementedError(
         f"float8_moe: torch._grouped_mm of {list(a.shape)} x {list(b.shape)} "
         f"{'with' if offs is not None else 'without'} offsets is not supported; supported: "
         "2D x 3D with offsets (routed experts) and 3D x 3D without (grouped shared expert)"
     )
+
+
+def _fp8_args(weight, source) -> dict:
+    """The fp8 matmuls' arguments after the operands: the weight's recipe and path, where its
+    fp8 copies come from (``source``), whether another weight shares its input."""
+    recipe, emulate = weight.fp8_path()
+    return dict(recipe=recipe, emulate=emulate, cached=source, shared_a=weight.config.shares_input)
 
 
 def _unsupported_form(name: str, a, weight, supported: str):
@@ -34,7 +41,7 @@ def _linear(x, weight, bias=None):
     if weight.ndim != 2:
         raise _unsupported_form("F.linear", x, weight, "a 2D weight [N, K]")
     b, source = weight.fp8_operand(transpose=True)
-    out = fp8_matmul(x, b, *weight.fp8_path(), source)
+    out = fp8_matmul(x, b, **_fp8_args(weight, source))
     return out if bias is None else out + bias
 
 
@@ -45,8 +52,8 @@ def _batched(a, weight) -> bool:
 def _fp8_matmul_of(a, weight):
     b, source = weight.fp8_operand()
     if b.ndim == 2:
-        return fp8_matmul(a, b, *weight.fp8_path(), source)
-    return fp8_batched_mm(a, b, *weight.fp8_path(), source)
+        return fp8_matmul(a, b, **_fp8_args(weight, source))
+    return fp8_batched_mm(a, b, **_fp8_args(weight, source))
 
 
 def _matmul(a, weight):

@@ -2,9 +2,9 @@
 
 A recipe owns, for the forward, input-gradient and weight-gradient GEMMs of ``b [G, K, N]``:
 - the scale granularity of each operand and the quantizers that produce it, CUDA and emulated
-  (``quantizers``: a namespace of ``rows``, ``tokens`` (``rows`` of the forward's tokens,
-  which w1 and w3 share), ``weight``, ``weight_transposed``, ``per_group_pair``, looked up at
-  call time so that tests and checks can wrap them);
+  (``quantizers``: a namespace of ``rows``, ``weight``, ``weight_transposed``,
+  ``per_group_pair``, and ``tokens`` and ``tokens_per_group_pair``, the casts of tokens that
+  two GEMMs share (w1 and w3), looked up at call time so that tests and checks can wrap them);
 - the scaled GEMM calls (``grouped_mm``, ``grouped_wgrad_mm``);
 - the FSDP all-gather payload layout (``payload_scale_shapes``) and when a shard cannot
   quantize alone (``all_gather_fallback``);
