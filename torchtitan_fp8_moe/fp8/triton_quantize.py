@@ -25,7 +25,7 @@ from .kernels.triton_per_group import (
 )
 from .kernels.triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
 from .kernels.triton_transposed import transposed_fp8
-from .opaque import compile_opaque
+from .opaque import compile_opaque, traced
 from .quantize import FP8_DTYPE, amax_along, rounded
 
 
@@ -118,7 +118,7 @@ def tokens_per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tenso
     """``per_group_pair`` where another weight gradient casts the same tokens ``a`` (w3's and
     w1's): eager keeps a's cast for it (``cast_reuse.py``), compiled code makes it one node (see
     ``tokens``)."""
-    if torch.compiler.is_compiling():
+    if traced(a, grad, offs):
         return (*per_group_colwise_fp8_shared(a, offs), *per_group_colwise_fp8(grad, offs))
     kept = cast_reuse.take(tokens_per_group_pair, a, offs)
     if kept is not None:
