@@ -4,7 +4,7 @@ to fp32 accumulation order. Runs only on CUDA devices with fp8 (sm89+); skipped 
 import pytest
 import torch
 import torch.nn.functional as F
-from expert_modules import emulated_and_cuda_path, gathered_by_hand
+from expert_modules import emulated_and_cuda_path, gathered_by_hand, shared_token_cast_calls
 
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig, fp8_kernels_available
@@ -475,21 +475,18 @@ def test_compiled_shared_expert_casts_its_tokens_once():
         out.backward(grad)
         return [out, xi.grad, *(p.grad.clone() for p in ffn.parameters())]
 
-    ops = ("tokens_rowwise_fp8", "per_group_colwise_fp8_shared")
-
     def compiled(cse: bool):
         torch._dynamo.reset()
         with fresh_cache(), functorch_config.patch(cse=cse):
             results, codes = run_and_get_code(step, torch.compile(ffn, fullgraph=True))
-        code = "".join(codes)
-        return results, [code.count(f"torchtitan_fp8_moe.{op}.default(") for op in ops]
+        return results, shared_token_cast_calls("\n".join(codes))
 
     expected = step(ffn)
     try:
         (results, casts), (separate, separate_casts) = compiled(True), compiled(False)
     finally:
         torch._dynamo.reset()
-    assert casts == [1, 1] and separate_casts == [2, 2], (casts, separate_casts)
+    assert casts == (1, 1) and separate_casts == (2, 2), (casts, separate_casts)
     for value, apart, want in zip(results, separate, expected, strict=True):
         assert torch.equal(value, apart)
         assert sqnr(want, value) >= 30

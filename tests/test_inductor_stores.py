@@ -25,7 +25,7 @@ def _silu_backward_outputs(codes: list[str]) -> int:
     return sum(arg == "'at::BFloat16*'" for arg in kernels[0].strip("[]").split(", "))
 
 
-def _compiled_code_of_routed_experts():
+def _compiled_code_of_experts():
     """A function ``(dynamic, feed_forward) -> inductor's code`` for torchtitan's compiled
     routed experts (or with ``feed_forward`` a FeedForward shared expert), forward and backward,
     with Triton's front end given a CUDA target and no kernel run."""
@@ -96,7 +96,7 @@ def _compiled_code_of_routed_experts():
 def _check_silu_gradients_stored_once() -> None:
     from torchtitan_fp8_moe.fp8 import opaque
 
-    compiled_code = _compiled_code_of_routed_experts()
+    compiled_code = _compiled_code_of_experts()
     stored_once = _silu_backward_outputs(compiled_code())
     as_strided_self = opaque._as_strided_self
     opaque._as_strided_self = lambda value: value  # without the as_strided reads
@@ -109,14 +109,13 @@ def _check_silu_gradients_stored_once() -> None:
 
 def _check_shared_token_casts_merged() -> None:
     import torch._functorch.config as functorch_config
+    from expert_modules import shared_token_cast_calls
 
-    compiled_code = _compiled_code_of_routed_experts()
+    compiled_code = _compiled_code_of_experts()
 
     def calls(feed_forward: bool, cse: bool) -> tuple[int, int]:
         with functorch_config.patch(cse=cse):
-            code = "\n".join(compiled_code(feed_forward=feed_forward))
-        ops = ("tokens_rowwise_fp8", "per_group_colwise_fp8_shared")
-        return tuple(code.count(f"torchtitan_fp8_moe.{op}.default(") for op in ops)
+            return shared_token_cast_calls("\n".join(compiled_code(feed_forward=feed_forward)))
 
     for feed_forward in (False, True):
         # x for w1 and w3: one call forward (the row cast) and one for the weight gradients
@@ -131,7 +130,7 @@ def _check_shared_token_casts_merged() -> None:
 def _check_dynamic_shapes_lower() -> None:
     import torch._higher_order_ops.triton_kernel_wrap as triton_kernel_wrap
 
-    compiled_code = _compiled_code_of_routed_experts()
+    compiled_code = _compiled_code_of_experts()
     # Each launch's written tensors by torch's analysis of the kernel, where inductor copies an
     # input taken as written: torch 2.11 took the chunked cast kernel as writing the group
     # ends, and under dynamic shapes its inductor failed on that copy (an AssertionError in

@@ -185,14 +185,15 @@ def swap_expert_weights(
     if names is not None:
         owners = [owner for owner in owners if owner[0] in names]
     partners = same_input_weights([name for name, _, _ in owners])  # both converted
-    sharing = config.shares_input
     swapped = []
     for name, owner, attr in owners:
         param = getattr(owner, attr)
         if isinstance(param, Float8MoEWeight):
             raise ValueError(f"float8_moe: {name} of {type(module).__name__} is already converted")
         new_param = nn.Parameter(
-            Float8MoEWeight(param.data, replace(config, shares_input=sharing and name in partners)),
+            Float8MoEWeight(
+                param.data, replace(config, shares_input=config.shares_input and name in partners)
+            ),
             requires_grad=param.requires_grad,
         )
         setattr(owner, attr, new_param)
