@@ -8,6 +8,8 @@ layouts against the GEMMs' requirements, the weight gradient's group ends, rows 
 (torchtitan's padding, one local expert), the fp8 all-gather's CUDA quantizers, torchtitan's
 MoE layer end to end."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,11 +124,13 @@ def _check_shared_expert_casts() -> None:
     def grouped(x, w):  # the seed's [1, hidden, dim] shared expert: a 3D x 3D batch
         return torch._grouped_mm(x.unsqueeze(0), w.transpose(-2, -1)).squeeze(0)
 
-    for form, shapes in ((linear, ((H, D), (D, H))), (grouped, ((1, H, D), (1, D, H)))):
+    forms = ((linear, ((H, D), (D, H))), (grouped, ((1, H, D), (1, D, H))))
+    # Token counts a multiple of 16 and not (the casts pad the weight gradient's rows).
+    for (form, shapes), tokens in itertools.product(forms, (64, 57)):
         torch.manual_seed(0)
         w1, w2, w3 = (torch.randn(shapes[i], dtype=torch.bfloat16) * 0.02 for i in (0, 1, 0))
-        x = torch.randn(64, D, dtype=torch.bfloat16)
-        grad = torch.randn(64, D, dtype=torch.bfloat16)
+        x = torch.randn(tokens, D, dtype=torch.bfloat16)
+        grad = torch.randn(tokens, D, dtype=torch.bfloat16)
         results = []
         for w3_input in (lambda x: x, torch.clone):  # x itself, then a copy (no shared cast)
             params = [
@@ -142,9 +146,9 @@ def _check_shared_expert_casts() -> None:
         (shared_calls, shared), (copied_calls, copied) = results
         # w2 and w3 cast their pairs; w1 takes w3's cast of x and casts only its gradient.
         assert shared_calls == ["per_group_colwise_fp8_pair"] * 2 + ["per_group_colwise_fp8"]
-        assert copied_calls == ["per_group_colwise_fp8_pair"] * 3, form.__name__
+        assert copied_calls == ["per_group_colwise_fp8_pair"] * 3, (form.__name__, tokens)
         for what, a, b in zip(("out", "x.grad", "w1", "w2", "w3"), shared, copied, strict=True):
-            assert torch.equal(a, b), (form.__name__, what)
+            assert torch.equal(a, b), (form.__name__, tokens, what)
 
 
 def test_shared_experts_cast_their_tokens_per_group_once():

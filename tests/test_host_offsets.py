@@ -59,7 +59,9 @@ def test_inference_tensors_are_read_and_not_kept(reads):
 
 def test_equal_groups_are_one_tensor_per_shape_in_eager_code(reads):
     """Two GEMMs of the same tokens get the same offsets (the shared casts are keyed by them),
-    made once, with values known on the host; one first made under inference mode still trains."""
+    made once, with values known on the host; one first made under inference mode still trains;
+    compiled code makes its own."""
+    host_offsets.forget_equal_groups()
     x = torch.empty(6, 4)
     with torch.inference_mode():
         first = host_offsets.equal_groups(2, 3, x)
@@ -70,5 +72,11 @@ def test_equal_groups_are_one_tensor_per_shape_in_eager_code(reads):
     assert host_offsets.equal_groups(1, 6, x) is not first
     assert host_offsets.equal_groups(1, 6, x).tolist() == [6]
 
-    compiled = torch.compile(lambda t: host_offsets.equal_groups(2, t.shape[0] // 2, t) + 0)
+    kept = host_offsets._kept.cache_info()
+    compiled = torch.compile(
+        lambda t: host_offsets.equal_groups(2, t.shape[0] // 2, t) + 0, fullgraph=True
+    )
     assert compiled(torch.empty(10, 4)).tolist() == [5, 10]
+    assert host_offsets._kept.cache_info() == kept
+    host_offsets.forget_equal_groups()
+    assert host_offsets.equal_groups(2, 3, x) is not first
