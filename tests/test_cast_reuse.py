@@ -126,8 +126,8 @@ def test_expert_ffn_casts_the_routed_tokens_once(device, tokens_per_expert, monk
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_shared_experts_linear_layers_cast_their_input_once(device, monkeypatch):
-    """A FeedForward shared expert's w1 and w3 (``F.linear`` of converted 2D weights) share one
-    forward cast of x (their weight gradients' per-group cast: test_cuda_path_interpreted)."""
+    """A FeedForward shared expert's w1 and w3 (``F.linear`` of converted 2D weights, each call
+    with offsets of its own) share one forward cast of x."""
     emulate = device == "cpu"
     quantizers = recipe_named("rowwise").quantizers(emulate)
     casts = []

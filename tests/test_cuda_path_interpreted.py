@@ -8,8 +8,6 @@ layouts against the GEMMs' requirements, the weight gradient's group ends, rows 
 (torchtitan's padding, one local expert), the fp8 all-gather's CUDA quantizers, torchtitan's
 MoE layer end to end."""
 
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,63 +97,6 @@ def test_call_forms_on_the_cuda_path_equal_the_emulated_path():
     linear layers in bf16 and fp32, shared experts of token counts not a multiple of 16:
     forward, input and weight gradients; batch entries of such counts are refused clearly."""
     run_interpreted("test_cuda_path_interpreted", "_check_call_forms")
-
-
-def _check_shared_expert_casts() -> None:
-    from harness import cuda_path_on_cpu
-
-    from torchtitan_fp8_moe.fp8 import triton_quantize
-    from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
-
-    cuda_path_on_cpu.install()
-    calls = []
-    for name in ("per_group_colwise_fp8_pair", "per_group_colwise_fp8"):
-        original = getattr(triton_quantize, name)
-
-        def counted(*args, name=name, original=original):
-            calls.append(name)
-            return original(*args)
-
-        setattr(triton_quantize, name, counted)
-
-    def linear(x, w):  # a FeedForward's projections
-        return F.linear(x, w)
-
-    def grouped(x, w):  # the seed's [1, hidden, dim] shared expert: a 3D x 3D batch
-        return torch._grouped_mm(x.unsqueeze(0), w.transpose(-2, -1)).squeeze(0)
-
-    forms = ((linear, ((H, D), (D, H))), (grouped, ((1, H, D), (1, D, H))))
-    # Token counts a multiple of 16 and not (the casts pad the weight gradient's rows).
-    for (form, shapes), tokens in itertools.product(forms, (64, 57)):
-        torch.manual_seed(0)
-        w1, w2, w3 = (torch.randn(shapes[i], dtype=torch.bfloat16) * 0.02 for i in (0, 1, 0))
-        x = torch.randn(tokens, D, dtype=torch.bfloat16)
-        grad = torch.randn(tokens, D, dtype=torch.bfloat16)
-        results = []
-        for w3_input in (lambda x: x, torch.clone):  # x itself, then a copy (no shared cast)
-            params = [
-                torch.nn.Parameter(Float8MoEWeight(w.clone(), WeightConfig(shares_input=share)))
-                for w, share in ((w1, True), (w2, False), (w3, True))
-            ]
-            xi = x.clone().requires_grad_()
-            hidden = F.silu(form(xi, params[0])) * form(w3_input(xi), params[2])
-            out = form(hidden, params[1])
-            calls.clear()
-            out.backward(grad)
-            results.append((calls.copy(), [out, xi.grad, *(p.grad for p in params)]))
-        (shared_calls, shared), (copied_calls, copied) = results
-        # w2 and w3 cast their pairs; w1 takes w3's cast of x and casts only its gradient.
-        assert shared_calls == ["per_group_colwise_fp8_pair"] * 2 + ["per_group_colwise_fp8"]
-        assert copied_calls == ["per_group_colwise_fp8_pair"] * 3, (form.__name__, tokens)
-        for what, a, b in zip(("out", "x.grad", "w1", "w2", "w3"), shared, copied, strict=True):
-            assert torch.equal(a, b), (form.__name__, tokens, what)
-
-
-def test_shared_experts_cast_their_tokens_per_group_once():
-    """A shared expert's w1 and w3 (a FeedForward's linear layers, or the seed's grouped [1,
-    hidden, dim] weights) multiply the same tokens: their weight gradients take one per-group cast
-    of them, as the routed experts' do, with the bits of casting them twice."""
-    run_interpreted("test_cuda_path_interpreted", "_check_shared_expert_casts")
 
 
 def _check_fp8_all_gather() -> None:

@@ -55,28 +55,3 @@ def test_inference_tensors_are_read_and_not_kept(reads):
         batched = fp8_batched_mm(torch.randn(2, 6, 32), torch.randn(2, 32, 16), rowwise, True)
     assert y.shape == (3, 5, 16) and batched.shape == (2, 6, 16)
     assert (y - x @ w).norm() < 0.1 * (x @ w).norm()
-
-
-def test_equal_groups_are_one_tensor_per_shape_in_eager_code(reads):
-    """Two GEMMs of the same tokens get the same offsets (the shared casts are keyed by them),
-    made once, with values known on the host; one first made under inference mode still trains;
-    compiled code makes its own."""
-    host_offsets.forget_equal_groups()
-    x = torch.empty(6, 4)
-    with torch.inference_mode():
-        first = host_offsets.equal_groups(2, 3, x)
-    assert not first.is_inference() and first.tolist() == [3, 6]
-    reads[0] = 0
-    assert host_offsets.equal_groups(2, 3, x) is first
-    assert host_offsets.values(first) == [3, 6] and reads[0] == 0
-    assert host_offsets.equal_groups(1, 6, x) is not first
-    assert host_offsets.equal_groups(1, 6, x).tolist() == [6]
-
-    kept = host_offsets._kept.cache_info()
-    compiled = torch.compile(
-        lambda t: host_offsets.equal_groups(2, t.shape[0] // 2, t) + 0, fullgraph=True
-    )
-    assert compiled(torch.empty(10, 4)).tolist() == [5, 10]
-    assert host_offsets._kept.cache_info() == kept
-    host_offsets.forget_equal_groups()
-    assert host_offsets.equal_groups(2, 3, x) is not first

@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fp8 import host_offsets
 from .weight import Float8MoEWeight, WeightConfig
 
 logger = logging.getLogger(__name__)
@@ -102,7 +101,6 @@ def time_cases(
     generator = torch.Generator(device).manual_seed(0)
     with torch.enable_grad():
         measured = [_timed_or_nan(c, config, alignment or 1, device, generator) for c in ordered]
-    host_offsets.forget_equal_groups()  # the offsets the timed shared experts kept
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the allocator's blocks back before the model's arrive
     if _across_ranks():

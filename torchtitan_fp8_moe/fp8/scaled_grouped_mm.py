@@ -138,6 +138,13 @@ def fp8_grouped_mm(
     return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, shared_a, cached)
 
 
+def _made_on_host(offs: torch.Tensor, values, recipe: Recipe, emulate: bool) -> None:
+    """Tell ``host_offsets`` the ``values`` of ``offs``, where the recipe's GEMMs would read
+    them back from the device (a sync); no work for the others."""
+    if recipe.reads_offsets_on_host and not emulate:
+        host_offsets.remember(offs, list(values))
+
+
 def fp8_batched_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -159,7 +166,8 @@ def fp8_batched_mm(
             f"to be a multiple of {alignment}; pad them, or leave this weight out of "
             "float8_moe.fqns"
         )
-    offs = host_offsets.equal_groups(groups, tokens, a)
+    offs = torch.arange(1, groups + 1, device=a.device, dtype=torch.int32) * tokens
+    _made_on_host(offs, range(tokens, (groups + 1) * tokens, tokens), recipe, emulate)
     a_2d = a.reshape(groups * tokens, -1)
     out = fp8_grouped_mm(a_2d, b, offs, recipe, emulate, cached, shared_a=shared_a)
     return out.view(groups, tokens, -1)
@@ -175,6 +183,7 @@ def fp8_matmul(
 ) -> torch.Tensor:
     """``a [..., K] @ b [K, N]`` in fp8 (a linear layer's ``x @ W^T`` has b = W^T)."""
     a_2d = a.reshape(-1, a.shape[-1])
-    offs = host_offsets.equal_groups(1, a_2d.shape[0], a)
+    offs = torch.full((1,), a_2d.shape[0], device=a.device, dtype=torch.int32)
+    _made_on_host(offs, [a_2d.shape[0]], recipe, emulate)
     out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, recipe, emulate, cached, shared_a=shared_a)
     return out.view(*a.shape[:-1], b.shape[-1])

@@ -29,6 +29,8 @@ class Recipe:
     # Whether policy "auto"'s cost model (policy.py, fit to H200 runs of this recipe) applies;
     # where not, auto converts every selected weight and the plan says so.
     has_cost_model: bool = False
+    # Whether its CUDA GEMMs read the token groups' bounds on the host (host_offsets.py).
+    reads_offsets_on_host: bool = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -31,6 +31,7 @@ from . import Recipe
 class BlockwiseRecipe(Recipe):
     name = "blockwise"
     description = "fp8 blockwise (1x128 activations, 128x128 weights)"
+    reads_offsets_on_host = True  # cuBLAS's GEMMs, one call per group
 
     def quantizers(self, emulate: bool) -> ModuleType:
         if emulate:
