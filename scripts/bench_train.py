@@ -17,8 +17,9 @@ memory it needs, not what it chose to keep cached; a run that needs more fails w
 memory. A run whose log does not say the cap was set counts as failed.
 
 Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
-per-step log lines, and reports the median tokens/s per device and the peak reserved memory over
-the steps after warm-up, the loss curve, and the speedup over bf16 of the same compile setting.
+per-step log lines, and reports the median tokens/s per device, the peak reserved memory and the
+CUDA allocator's retries (``retries``: at the memory limit they slow a run) over the steps after
+warm-up, the loss curve, and the speedup over bf16 of the same compile setting.
 With ``--repeat N`` every variant runs N times, interleaved (bf16, fp8, bf16, fp8, ...) so that
 drift of the machine hits all variants alike; a variant's tokens/s is then the median of its
 runs' medians, with the spread (min, max) and every run's value beside it, and its speedup by
@@ -43,6 +44,22 @@ except ModuleNotFoundError:  # Python 3.10: torchtitan depends on tomli instead
 REPO = Path(__file__).resolve().parent.parent
 ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"step: +(\d+) +loss: +(\S+).*?memory: +([\d.]+)GiB.*?tps: +([\d,]+)")
+# torchtitan warns with the allocator's retries so far before a step's line, if there were any.
+RETRIES_LINE = re.compile(r"(\d+) CUDA memory allocation retries")
+
+
+def step_records(log: str) -> dict[int, tuple[float, float, int, int]]:
+    """Each logged step's (loss, peak reserved GiB, tokens/s, the CUDA allocator's retries up to
+    it). A retry frees the allocator's cache and allocates again, a device sync: at the memory
+    limit it is what slows a run down."""
+    records, retries = {}, 0
+    for line in log.splitlines():
+        if found := RETRIES_LINE.search(line):
+            retries = int(found[1])
+        elif found := STEP_LINE.search(line):
+            step, loss, memory, tps = found.groups()
+            records[int(step)] = (float(loss), float(memory), int(tps.replace(",", "")), retries)
+    return records
 
 
 def dense_fp8(variant: str) -> list[str]:
@@ -135,10 +152,7 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         f"{Path(args.out).stem}_{variant.replace('+', '_')}{suffix}.log"
     )
     log_path.write_text(log)
-    steps = {
-        int(s): (float(loss), float(mem), int(tps.replace(",", "")))
-        for s, loss, mem, tps in STEP_LINE.findall(log)
-    }
+    steps = step_records(log)
     timed = [steps[s] for s in steps if s > args.warmup]
     row = {
         "variant": variant,
@@ -163,6 +177,9 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         row.update(
             tokens_per_s_median=statistics.median(t[2] for t in timed),
             memory_max_reserved_gib=max(t[1] for t in timed),
+            alloc_retries=steps[max(steps)][3],
+            alloc_retries_timed=steps[max(steps)][3]
+            - max((steps[s][3] for s in steps if s <= args.warmup), default=0),
             final_loss=steps[max(steps)][0],
             losses={s: steps[s][0] for s in sorted(steps)},
         )
@@ -198,7 +215,7 @@ def main() -> None:
     }
     print(
         f"{'variant':22} {'tokens/s':>10} {'min-max':>15} {'vs bf16':>8} {'mem GiB':>8} "
-        f"{'final loss':>10}"
+        f"{'retries':>7} {'final loss':>10}"
     )
     for r in rows:
         # fp8 against bf16 of the same compile setting (+cache is fp8-only).
@@ -210,7 +227,7 @@ def main() -> None:
         print(
             f"{r['variant']:22} {tps or 'failed':>10} {spread:>15} "
             f"{r.get('speedup_vs_bf16', '-'):>8} {r.get('memory_max_reserved_gib', '-'):>8} "
-            f"{r.get('final_loss', '-'):>10}"
+            f"{max(r.get('alloc_retries_timed_runs', ['-'])):>7} {r.get('final_loss', '-'):>10}"
         )
     for r in rows:
         r.update(round_ratios(runs, r["variant"]))
@@ -255,6 +272,7 @@ def _summary(runs: list[dict]) -> dict:
             tokens_per_s_max=max(per_run),
             tokens_per_s_runs=per_run,
             memory_max_reserved_gib=max(r["memory_max_reserved_gib"] for r in done),
+            alloc_retries_timed_runs=[r["alloc_retries_timed"] for r in done],
             final_loss=done[0]["final_loss"],
             losses=done[0]["losses"],
         )

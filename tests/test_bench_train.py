@@ -6,7 +6,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_train import loader_workers, round_ratios  # noqa: E402
+from bench_train import loader_workers, round_ratios, step_records  # noqa: E402
 
 
 def run(variant, index, tokens=None):
@@ -50,3 +50,25 @@ def test_loader_workers_come_from_the_config_or_an_override():
     assert loader_workers("train_configs/llama4_debug.toml", []) == 0
     override = ["--compile.enable", "--training.dataloader.num_workers=2"]
     assert loader_workers("train_configs/llama4_debug.toml", override) == 2
+
+
+def test_step_records_carry_the_allocator_retries_so_far():
+    """torchtitan warns with the allocator's retries (a running count) before a step's line; a
+    step without a warning had none yet. Taken from a real H100 log of 2026-12-06."""
+    log = "\n".join(
+        [
+            "[rank0]:[titan] - root - INFO - step:  1  loss:  8.10480  grad_norm:  3.2910  "
+            "memory: 71.67GiB(90.52%)  tps: 26,924  tflops: 39.61  mfu: 4.00%",
+            "[rank0]:[titan] - root - WARNING - 1 CUDA memory allocation retries.",
+            "[rank0]:[titan] - root - INFO - step:  2  loss:  8.48733  grad_norm:  8.0910  "
+            "memory: 76.63GiB(96.78%)  tps: 42,171  tflops: 62.04  mfu: 6.27%",
+            "[rank0]:[titan] - root - WARNING - 12 CUDA memory allocation retries.",
+            "[rank0]:[titan] - root - INFO - step: 10  loss:  4.96775  grad_norm:  2.7398  "
+            "memory: 77.65GiB(98.07%)  tps: 80,632  tflops: 118.63  mfu: 12.00%",
+        ]
+    )
+    assert step_records(log) == {
+        1: (8.1048, 71.67, 26924, 0),
+        2: (8.48733, 76.63, 42171, 1),
+        10: (4.96775, 77.65, 80632, 12),
+    }
