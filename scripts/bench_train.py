@@ -17,9 +17,10 @@ memory it needs, not what it chose to keep cached; a run that needs more fails w
 memory. A run whose log does not say the cap was set counts as failed.
 
 Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
-per-step log lines, and reports the median tokens/s per device, the peak reserved memory and the
-CUDA allocator's retries (``retries``: at the memory limit they slow a run) over the steps after
-warm-up, the loss curve, and the speedup over bf16 of the same compile setting.
+per-step log lines, and reports over the steps after warm-up the median tokens/s per device, the
+peak reserved memory and the CUDA allocator's retries (``retries``, the most of any run: at the
+memory limit they slow a run), the loss curve, and the speedup over bf16 of the same compile
+setting.
 With ``--repeat N`` every variant runs N times, interleaved (bf16, fp8, bf16, fp8, ...) so that
 drift of the machine hits all variants alike; a variant's tokens/s is then the median of its
 runs' medians, with the spread (min, max) and every run's value beside it, and its speedup by
@@ -43,23 +44,39 @@ except ModuleNotFoundError:  # Python 3.10: torchtitan depends on tomli instead
 
 REPO = Path(__file__).resolve().parent.parent
 ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
-STEP_LINE = re.compile(r"step: +(\d+) +loss: +(\S+).*?memory: +([\d.]+)GiB.*?tps: +([\d,]+)")
+# A training step's line ("validate step:" lines are validation's).
+STEP_LINE = re.compile(
+    r"(?<!validate )step: +(\d+) +loss: +(\S+).*?memory: +([\d.]+)GiB.*?tps: +([\d,]+)"
+)
 # torchtitan warns with the allocator's retries so far before a step's line, if there were any.
 RETRIES_LINE = re.compile(r"(\d+) CUDA memory allocation retries")
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
 
 
 def step_records(log: str) -> dict[int, tuple[float, float, int, int]]:
-    """Each logged step's (loss, peak reserved GiB, tokens/s, the CUDA allocator's retries up to
-    it). A retry frees the allocator's cache and allocates again, a device sync: at the memory
-    limit it is what slows a run down."""
-    records, retries = {}, 0
+    """Each logged training step's (loss, peak reserved GiB, tokens/s, the CUDA allocator's
+    retries up to it), as the first rank whose steps the log shows saw them (``LOG_RANK``
+    decides which ranks it shows; rank 0 by default). A retry frees the allocator's cache and
+    allocates again, a device sync: at the memory limit it is what slows a run down."""
+    records, retries, ranks_with_steps = {}, {}, []
     for line in log.splitlines():
+        rank = found[1] if (found := RANK_PREFIX.match(line)) else None
         if found := RETRIES_LINE.search(line):
-            retries = int(found[1])
-        elif found := STEP_LINE.search(line):
-            step, loss, memory, tps = found.groups()
-            records[int(step)] = (float(loss), float(memory), int(tps.replace(",", "")), retries)
+            retries[rank] = int(found[1])
+        if found := STEP_LINE.search(line):
+            ranks_with_steps = ranks_with_steps or [rank]
+            if rank == ranks_with_steps[0]:
+                step, loss, memory, tps = found.groups()
+                tokens = int(tps.replace(",", ""))
+                records[int(step)] = (float(loss), float(memory), tokens, retries.get(rank, 0))
     return records
+
+
+def retries_after_warmup(steps: dict[int, tuple[float, float, int, int]], warmup: int) -> int:
+    """The allocator's retries in the logged steps after ``warmup``: the count at the last step
+    less the count at the last logged warm-up step (none logged: every retry, start-up's too)."""
+    warm = [record[3] for step, record in steps.items() if step <= warmup]
+    return steps[max(steps)][3] - max(warm, default=0)
 
 
 def dense_fp8(variant: str) -> list[str]:
@@ -178,8 +195,7 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
             tokens_per_s_median=statistics.median(t[2] for t in timed),
             memory_max_reserved_gib=max(t[1] for t in timed),
             alloc_retries=steps[max(steps)][3],
-            alloc_retries_timed=steps[max(steps)][3]
-            - max((steps[s][3] for s in steps if s <= args.warmup), default=0),
+            alloc_retries_timed=retries_after_warmup(steps, args.warmup),
             final_loss=steps[max(steps)][0],
             losses={s: steps[s][0] for s in sorted(steps)},
         )
