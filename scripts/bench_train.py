@@ -58,18 +58,18 @@ def step_records(log: str) -> dict[int, tuple[float, float, int, int]]:
     retries up to it), as the first rank whose steps the log shows saw them (``LOG_RANK``
     decides which ranks it shows; rank 0 by default). A retry frees the allocator's cache and
     allocates again, a device sync: at the memory limit it is what slows a run down."""
-    records, retries, ranks_with_steps = {}, {}, []
+    records_by_rank, retries = {}, {}
     for line in log.splitlines():
         rank = found[1] if (found := RANK_PREFIX.match(line)) else None
         if found := RETRIES_LINE.search(line):
             retries[rank] = int(found[1])
         if found := STEP_LINE.search(line):
-            ranks_with_steps = ranks_with_steps or [rank]
-            if rank == ranks_with_steps[0]:
-                step, loss, memory, tps = found.groups()
-                tokens = int(tps.replace(",", ""))
-                records[int(step)] = (float(loss), float(memory), tokens, retries.get(rank, 0))
-    return records
+            step, loss, memory, tps = found.groups()
+            tokens = int(tps.replace(",", ""))
+            record = (float(loss), float(memory), tokens, retries.get(rank, 0))
+            records_by_rank.setdefault(rank, {})[int(step)] = record
+    # dicts keep insertion order: the first rank that logged a step
+    return next(iter(records_by_rank.values()), {})
 
 
 def retries_after_warmup(steps: dict[int, tuple[float, float, int, int]], warmup: int) -> int:
