@@ -81,6 +81,19 @@ ROWS = [
         ],
     ),
     (
+        "torch.compile launches sharing a compile cache folder: after an edit or upgrade of "
+        "float8_moe, and an fp8 launch after a bf16 one (expert weights as DTensors)",
+        WORKS,
+        "each launch's compiled forward and backward equal its own eager ones; the same code "
+        "and conversion still load the cached graph (`convert` tags torch's cache keys with "
+        "the package's source and the converted weights; without the tag the edited launch "
+        "ran the old graph and the fp8 launch crashed in the bf16 one)",
+        [
+            "test_compile_cache.py::test_a_launch_of_edited_code_compiles_its_own",
+            "test_compile_cache.py::test_an_fp8_launch_after_a_bf16_one_compiles_its_own",
+        ],
+    ),
+    (
         "Tensor parallelism with the model compiled, on CPU, other than with FSDP and AC "
         "`none` or selective per layer: `selective` op or `full` activation checkpointing, or "
         "TP without FSDP",

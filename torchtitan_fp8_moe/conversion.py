@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from .compile_cache import key_compile_caches
 from .fp8.recipes import Recipe
 from .measure import Timing, WeightCase, time_cases, timing_device
 from .policy import POLICIES, fp8_gain_ms, times_weights
@@ -148,6 +149,7 @@ def convert(
         from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
         set_token_group_alignment_size_m(alignment)
+    key_compile_caches(model)
     return plan
 
 

@@ -1,0 +1,181 @@
+"""torch.compile's on-disk caches never hand a launch a graph compiled for other float8_moe code
+or another conversion (``compile_cache.py``): checked with launches that share a cache folder,
+each comparing its compiled fp8 results with its own eager ones."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from expert_modules import build_expert_module, expert_inputs
+from torch.distributed.tensor import DTensor, Shard
+from torchtitan.models.moe.moe import _run_experts_grouped_mm
+
+import torchtitan_fp8_moe
+from torchtitan_fp8_moe import convert
+from torchtitan_fp8_moe.compile_cache import TAG_PREFIX, source_digest
+
+TESTS_DIR = Path(__file__).resolve().parent
+PACKAGE = Path(torchtitan_fp8_moe.__file__).resolve().parent
+# The emulated rowwise GEMM's last line, and an edit of it that doubles every product.
+GEMM_LINE = "        return out.to(out_dtype)\n    if b.shape[0] == 1:"
+DOUBLED = "        return (out * 2).to(out_dtype)\n    if b.shape[0] == 1:"
+
+
+def _experts(seed: int = 0) -> nn.Module:
+    return build_expert_module("routed", 4, seed)
+
+
+def _tag_parts() -> list[str]:
+    return torch.compiler.config.cache_key_tag.split("|")
+
+
+@torch.compiler.config.patch(cache_key_tag="mine")
+def test_the_tag_names_the_conversion_and_keeps_other_tags():
+    tag = _tag_parts()[-1]
+    assert tag == "mine"
+    convert(_experts(), fqns=["experts"], emulate=True)
+    first = _tag_parts()
+    assert first[0] == "mine" and first[1].startswith(TAG_PREFIX) and len(first) == 2
+    # The same conversion again (a second launch, or a second model in one process): the same
+    # tag, in place of the first.
+    convert(_experts(seed=1), fqns=["experts"], emulate=True)
+    assert _tag_parts() == first
+    others = {
+        "another recipe": dict(recipe="blockwise"),
+        "fp8 weight cache": dict(cache_fp8_weights=True),
+        "fp8 all-gather": dict(fp8_all_gather=True),
+        "CUDA path": dict(emulate=False, policy="always"),
+    }
+    tags = {}
+    for what, settings in others.items():
+        convert(_experts(), fqns=["experts"], **{"emulate": True, **settings})
+        assert _tag_parts()[0] == "mine" and len(_tag_parts()) == 2, what
+        tags[what] = _tag_parts()[1]
+    assert len({first[1], *tags.values()}) == len(others) + 1, tags
+
+
+def test_the_source_digest_follows_every_file(tmp_path):
+    copy = tmp_path / "torchtitan_fp8_moe"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert source_digest(copy) == source_digest(PACKAGE)
+    gemm = copy / "fp8" / "recipes" / "rowwise.py"
+    gemm.write_text(gemm.read_text().replace(GEMM_LINE, DOUBLED))
+    edited = source_digest.__wrapped__(copy)
+    assert edited != source_digest(PACKAGE)
+    (copy / "extra.py").write_text("")
+    assert source_digest.__wrapped__(copy) not in (edited, source_digest(PACKAGE))
+
+
+class _ParallelExperts(nn.Module):
+    """The routed experts with their weights as DTensors, as expert parallelism leaves them."""
+
+    def __init__(self, experts: nn.Module, mesh):
+        super().__init__()
+        self.experts = experts.experts
+        for name in ("w1", "w2", "w3"):
+            local = getattr(self.experts, name).detach()
+            dtensor = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            setattr(self.experts, name, nn.Parameter(dtensor))
+
+    def forward(self, x, tokens_per_expert):
+        e = self.experts
+        weights = [w.to_local() for w in (e.w1, e.w2, e.w3)]
+        return _run_experts_grouped_mm(*weights, x, tokens_per_expert)
+
+
+def _fwd_bwd(module: nn.Module, forward) -> list[torch.Tensor]:
+    x, routing, target = expert_inputs("routed", 4, 0)
+    x.requires_grad_()
+    out = forward(x, *routing)
+    (out.float() * target).sum().backward()
+    grads = [
+        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()
+    ]
+    results = [out.detach(), x.grad, *[g.clone() for g in grads]]
+    module.zero_grad()
+    return results
+
+
+def launch() -> None:
+    """One launch (a child process): build the routed experts, convert them (unless
+    ``FP8_TEST_MODE=bf16``), wrap the weights in DTensors over a one-rank group if
+    ``FP8_TEST_DTENSOR=1``, and check the compiled forward and backward against eager."""
+    import torch._inductor.config
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._inductor.config.emulate_precision_casts = True  # as the converter sets it
+    fp8 = os.environ["FP8_TEST_MODE"] == "fp8"
+    module = _experts()
+    if fp8:
+        convert(module, fqns=["experts"], emulate=True)
+    if os.environ["FP8_TEST_DTENSOR"] == "1":
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{os.environ['FP8_TEST_STORE']}", rank=0, world_size=1
+        )
+        module = _ParallelExperts(module, init_device_mesh("cpu", (1,)))
+    eager = _fwd_bwd(module, module)
+    compiled = _fwd_bwd(module, torch.compile(module, fullgraph=True))
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want)
+    from torch._dynamo.utils import counters
+
+    print(json.dumps(dict(counters["aot_autograd"])))
+
+
+def _launch(cache: Path, package_root: Path, mode: str, dtensor: bool, store: Path) -> dict:
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{package_root}{os.pathsep}{TESTS_DIR}",
+        TORCHINDUCTOR_CACHE_DIR=str(cache),
+        TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+        TORCHINDUCTOR_AUTOGRAD_CACHE="1",
+        FP8_TEST_MODE=mode,
+        FP8_TEST_DTENSOR="1" if dtensor else "0",
+        FP8_TEST_STORE=str(store),
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", "import test_compile_cache as t; t.launch()"],
+        cwd=package_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, (mode, dtensor, package_root, result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_launch_of_edited_code_compiles_its_own(tmp_path):
+    """A launch with an edited float8_moe after one with this package, sharing their compile
+    cache. Without the tag the edited launch ran the first one's graph: its compiled results
+    were half its eager ones."""
+    edited_root = tmp_path / "edited"
+    shutil.copytree(PACKAGE, edited_root / "torchtitan_fp8_moe")
+    gemm = edited_root / "torchtitan_fp8_moe" / "fp8" / "recipes" / "rowwise.py"
+    source = gemm.read_text()
+    assert GEMM_LINE in source
+    gemm.write_text(source.replace(GEMM_LINE, DOUBLED))
+    repo_root, cache = PACKAGE.parent, tmp_path / "cache"
+    first = _launch(cache, repo_root, "fp8", False, tmp_path / "store0")
+    assert first.get("autograd_cache_saved") == 1, first  # the cache is in use
+    _launch(cache, edited_root, "fp8", False, tmp_path / "store1")
+    again = _launch(cache, repo_root, "fp8", False, tmp_path / "store2")
+    assert again.get("autograd_cache_hit") == 1, again  # the same code still hits
+
+
+@pytest.mark.slow
+def test_an_fp8_launch_after_a_bf16_one_compiles_its_own(tmp_path):
+    """A bf16 launch, then an fp8 launch of the same model, with the expert weights as DTensors
+    (expert parallelism), sharing their compile cache. Without the tag the fp8 launch loaded
+    the bf16 graph and failed in it ("its data is not allocated yet")."""
+    repo_root, cache = PACKAGE.parent, tmp_path / "cache"
+    bf16 = _launch(cache, repo_root, "bf16", True, tmp_path / "store0")
+    assert bf16.get("autograd_cache_saved") == 1, bf16
+    _launch(cache, repo_root, "fp8", True, tmp_path / "store1")

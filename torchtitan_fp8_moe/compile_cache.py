@@ -1,0 +1,60 @@
+"""torch.compile's on-disk caches keyed by what float8_moe converted and by the code that runs it.
+
+torch files a compiled graph under the model's traced code and its inputs' metadata. A converted
+weight's fp8 math runs below its tensor subclass, in this package's code, which that key leaves
+out; and where expert or tensor parallelism wraps the weight in a DTensor, the key holds only
+the DTensor's shape and placements, not what it wraps. So a launch could load a graph compiled
+by another version of this package (or a local edit of it) and run it as it was, without a
+word; and an fp8 launch that found a bf16 launch's graph of the same model ran it on the
+DTensors' fp8 weights and crashed (a segmentation fault on CPU; tests/test_compile_cache.py).
+The converter therefore adds a tag to torch's cache keys (``torch.compiler.config.cache_key_tag``)
+made from this package's source and from every converted weight's name, type and configuration.
+"""
+
+import functools
+import hashlib
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .weight.base import Fp8Weight
+
+PACKAGE = Path(__file__).resolve().parent
+TAG_PREFIX = "float8_moe-"
+
+
+@functools.cache
+def source_digest(package: Path = PACKAGE) -> str:
+    """A digest of the Python sources under ``package`` (names relative to it, and contents)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def converted_weights(model: nn.Module) -> list[tuple[str, str, str]]:
+    """(name, weight class, configuration) of each converted parameter of ``model``, also
+    inside a DTensor."""
+    rows = []
+    for name, param in model.named_parameters():
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if isinstance(local, Fp8Weight):
+            rows.append((name, type(local).__qualname__, repr(local.config)))
+    return rows
+
+
+def key_compile_caches(model: nn.Module) -> str:
+    """Add the tag of ``model``'s conversion to torch's compile cache keys, in place of any
+    earlier float8_moe tag (a user's own tags stay), and return it."""
+    payload = repr((source_digest(), converted_weights(model))).encode()
+    tag = TAG_PREFIX + hashlib.blake2b(payload, digest_size=16).hexdigest()
+    kept = [
+        part
+        for part in torch.compiler.config.cache_key_tag.split("|")
+        if part and not part.startswith(TAG_PREFIX)
+    ]
+    torch.compiler.config.cache_key_tag = "|".join([*kept, tag])
+    return tag
