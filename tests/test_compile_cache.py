@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from expert_modules import build_expert_module, expert_inputs
+from expert_modules import build_expert_module, expert_inputs, scout_meta_model
 from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.moe.moe import _run_experts_grouped_mm
 
 import torchtitan_fp8_moe
-from torchtitan_fp8_moe import convert
+from torchtitan_fp8_moe import compile_cache, convert
 from torchtitan_fp8_moe.compile_cache import TAG_PREFIX, source_digest
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -35,29 +35,59 @@ def _tag_parts() -> list[str]:
     return torch.compiler.config.cache_key_tag.split("|")
 
 
+def _tag_of(model: nn.Module, **settings) -> str:
+    """The tag of converting ``model`` alone in a fresh process (no earlier conversions)."""
+    compile_cache._CONVERTED.clear()
+    convert(model, **{"fqns": ["experts"], "emulate": True, **settings})
+    return _tag_parts()[-1]
+
+
 @torch.compiler.config.patch(cache_key_tag="mine")
-def test_the_tag_names_the_conversion_and_keeps_other_tags():
-    tag = _tag_parts()[-1]
-    assert tag == "mine"
-    convert(_experts(), fqns=["experts"], emulate=True)
-    first = _tag_parts()
-    assert first[0] == "mine" and first[1].startswith(TAG_PREFIX) and len(first) == 2
-    # The same conversion again (a second launch, or a second model in one process): the same
-    # tag, in place of the first.
+def test_the_tag_names_the_conversion_and_keeps_other_tags(monkeypatch):
+    monkeypatch.setattr(compile_cache, "_CONVERTED", set())
+    assert _tag_parts() == ["mine"]
+    first = _tag_of(_experts())
+    assert _tag_parts() == ["mine", first] and first.startswith(TAG_PREFIX)
+    # Another model converted alike in one process (or another launch): the same tag, in place
+    # of the first.
     convert(_experts(seed=1), fqns=["experts"], emulate=True)
-    assert _tag_parts() == first
+    assert _tag_parts() == ["mine", first]
+    assert _tag_of(_experts(seed=2)) == first
     others = {
-        "another recipe": dict(recipe="blockwise"),
-        "fp8 weight cache": dict(cache_fp8_weights=True),
-        "fp8 all-gather": dict(fp8_all_gather=True),
-        "CUDA path": dict(emulate=False, policy="always"),
+        "another recipe": _tag_of(_experts(), recipe="blockwise"),
+        "fp8 weight cache": _tag_of(_experts(), cache_fp8_weights=True),
+        "fp8 all-gather": _tag_of(_experts(), fp8_all_gather=True),
+        "CUDA path": _tag_of(_experts(), emulate=False, policy="always"),
+        "fewer weights": _tag_of(scout_meta_model(), fqns=["moe.experts"]),
+        "more weights": _tag_of(scout_meta_model(), fqns=["moe.experts", "shared_experts"]),
     }
-    tags = {}
-    for what, settings in others.items():
-        convert(_experts(), fqns=["experts"], **{"emulate": True, **settings})
-        assert _tag_parts()[0] == "mine" and len(_tag_parts()) == 2, what
-        tags[what] = _tag_parts()[1]
-    assert len({first[1], *tags.values()}) == len(others) + 1, tags
+    assert _tag_parts()[0] == "mine" and len(_tag_parts()) == 2
+    assert len({first, *others.values()}) == len(others) + 1, others
+    # A later conversion in the same process keys the graphs by both.
+    both = _tag_of(_experts())
+    convert(_experts(), fqns=["experts"], emulate=True, recipe="blockwise")
+    assert _tag_parts()[-1] not in (both, others["another recipe"])
+
+
+def test_converted_weights_are_named_alike_inside_dtensors(tmp_path, monkeypatch):
+    """Expert parallelism wraps the converted weights in DTensors after conversion; their rows
+    (what the tag hashes) stay, and hold no object addresses (which would differ per process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    module = _experts()
+    convert(module, fqns=["experts"], emulate=True)
+    rows = compile_cache.converted_weights(module)
+    assert [name for name, _, _ in rows] == ["experts.w1", "experts.w2", "experts.w3"]
+    assert "0x" not in repr(rows)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        parallel = _ParallelExperts(module, init_device_mesh("cpu", (1,)))
+        assert all(isinstance(p, DTensor) for p in parallel.parameters())
+        assert compile_cache.converted_weights(parallel) == rows
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def test_the_source_digest_follows_every_file(tmp_path):
@@ -129,9 +159,11 @@ def launch() -> None:
 
 
 def _launch(cache: Path, package_root: Path, mode: str, dtensor: bool, store: Path) -> dict:
-    env = dict(
-        os.environ,
-        PYTHONPATH=f"{package_root}{os.pathsep}{TESTS_DIR}",
+    inherited = os.environ.get("PYTHONPATH")
+    path = os.pathsep.join(str(p) for p in (package_root, TESTS_DIR, inherited) if p)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("FORCE_DISABLE_CACHES")}
+    env.update(
+        PYTHONPATH=path,
         TORCHINDUCTOR_CACHE_DIR=str(cache),
         TORCHINDUCTOR_FX_GRAPH_CACHE="1",
         TORCHINDUCTOR_AUTOGRAD_CACHE="1",
@@ -174,7 +206,7 @@ def test_a_launch_of_edited_code_compiles_its_own(tmp_path):
 def test_an_fp8_launch_after_a_bf16_one_compiles_its_own(tmp_path):
     """A bf16 launch, then an fp8 launch of the same model, with the expert weights as DTensors
     (expert parallelism), sharing their compile cache. Without the tag the fp8 launch loaded
-    the bf16 graph and failed in it ("its data is not allocated yet")."""
+    the bf16 graph and died in it (a segmentation fault)."""
     repo_root, cache = PACKAGE.parent, tmp_path / "cache"
     bf16 = _launch(cache, repo_root, "bf16", True, tmp_path / "store0")
     assert bf16.get("autograd_cache_saved") == 1, bf16

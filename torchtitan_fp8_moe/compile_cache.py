@@ -8,7 +8,8 @@ by another version of this package (or a local edit of it) and run it as it was,
 word; and an fp8 launch that found a bf16 launch's graph of the same model ran it on the
 DTensors' fp8 weights and crashed (a segmentation fault on CPU; tests/test_compile_cache.py).
 The converter therefore adds a tag to torch's cache keys (``torch.compiler.config.cache_key_tag``)
-made from this package's source and from every converted weight's name, type and configuration.
+made from this package's Python sources and from the name, type and configuration of every
+weight converted in the process.
 """
 
 import functools
@@ -46,10 +47,17 @@ def converted_weights(model: nn.Module) -> list[tuple[str, str, str]]:
     return rows
 
 
+# Every weight converted in this process: a graph compiled after the conversion of one model
+# part is keyed by all of them, not only by the part converted last.
+_CONVERTED: set[tuple[str, str, str]] = set()
+
+
 def key_compile_caches(model: nn.Module) -> str:
-    """Add the tag of ``model``'s conversion to torch's compile cache keys, in place of any
-    earlier float8_moe tag (a user's own tags stay), and return it."""
-    payload = repr((source_digest(), converted_weights(model))).encode()
+    """Add the tag of the conversions made in this process (``model``'s with the earlier ones)
+    to torch's compile cache keys, in place of any earlier float8_moe tag (a user's own tags
+    stay), and return it."""
+    _CONVERTED.update(converted_weights(model))
+    payload = repr((source_digest(), sorted(_CONVERTED))).encode()
     tag = TAG_PREFIX + hashlib.blake2b(payload, digest_size=16).hexdigest()
     kept = [
         part
