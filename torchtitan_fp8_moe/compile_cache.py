@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
+from .swap import local_tensor
 from .weight.base import Fp8Weight
 
 PACKAGE = Path(__file__).resolve().parent
@@ -41,7 +41,7 @@ def converted_weights(model: nn.Module) -> list[tuple[str, str, str]]:
     inside a DTensor."""
     rows = []
     for name, param in model.named_parameters():
-        local = param._local_tensor if isinstance(param, DTensor) else param
+        local = local_tensor(param)
         if isinstance(local, Fp8Weight):
             rows.append((name, type(local).__qualname__, repr(local.config)))
     return rows
@@ -52,10 +52,10 @@ def converted_weights(model: nn.Module) -> list[tuple[str, str, str]]:
 _CONVERTED: set[tuple[str, str, str]] = set()
 
 
-def key_compile_caches(model: nn.Module) -> str:
+def key_compile_caches(model: nn.Module) -> None:
     """Add the tag of the conversions made in this process (``model``'s with the earlier ones)
     to torch's compile cache keys, in place of any earlier float8_moe tag (a user's own tags
-    stay), and return it."""
+    stay)."""
     _CONVERTED.update(converted_weights(model))
     payload = repr((source_digest(), sorted(_CONVERTED))).encode()
     tag = TAG_PREFIX + hashlib.blake2b(payload, digest_size=16).hexdigest()
@@ -65,4 +65,3 @@ def key_compile_caches(model: nn.Module) -> str:
         if part and not part.startswith(TAG_PREFIX)
     ]
     torch.compiler.config.cache_key_tag = "|".join([*kept, tag])
-    return tag

@@ -207,7 +207,8 @@ def swap_expert_weights(
     return swapped
 
 
-def _local(tensor):
+def local_tensor(tensor):
+    """``tensor``'s local part if it is a DTensor, else itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -231,7 +232,7 @@ def _invalidate_fp8_caches(module, incompatible_keys) -> None:
     """A checkpoint was loaded into ``module``: its weights' fp8 copies are stale. (The load's
     in-place copies already invalidate them; this also covers writes that bypass the weights.)"""
     for param in module.parameters():
-        weight = _local(param)
+        weight = local_tensor(param)
         if isinstance(weight, Float8MoEWeight) and weight._cache is not None:
             weight._cache.invalidate()
 
@@ -241,5 +242,5 @@ def _plain_state_dict(module, state_dict, prefix, local_metadata) -> None:
     without this package and in-place loads (DCP) still land in the weights."""
     for name, param in module.named_parameters():
         key = prefix + name
-        if key in state_dict and isinstance(_local(param), Float8MoEWeight):
+        if key in state_dict and isinstance(local_tensor(param), Float8MoEWeight):
             state_dict[key] = _plain(param)
