@@ -120,13 +120,15 @@ _COMBOS = [
 ]
 
 
-def _case(kind, dim0, combo, recipe="rowwise"):
+def _case(kind, dim0, combo, recipe="rowwise", offload=False):
     reshard, dtype, cache_fp8 = combo
     return {
         "name": f"{kind}-dim0={dim0}-reshard={reshard}-{dtype}"
         + ("-cache" if cache_fp8 else "")
-        + ("" if recipe == "rowwise" else f"-{recipe}"),
+        + ("" if recipe == "rowwise" else f"-{recipe}")
+        + ("-offload" if offload else ""),
         "recipe": recipe,
+        "offload": offload,
         "kind": kind,
         "dim0": dim0,
         "reshard_after_forward": reshard,
@@ -145,6 +147,10 @@ def fsdp_cases(world_size: int) -> list[dict]:
     # The blockwise recipe: an uneven expert split (5 over 2-4 ranks) and the 2D shared expert.
     cases += [_case("routed", 5, _COMBOS[1], "blockwise")]
     cases += [_case("linear_shared", HIDDEN, _COMBOS[0], "blockwise")]
+    # FSDP2's CPU offload (torchtitan's --training.enable_cpu_offload): pinned host shards.
+    cases += [_case("routed", 5, _COMBOS[0], offload=True)]
+    cases += [_case("grouped_shared", 1, _COMBOS[1], offload=True)]
+    cases += [_case("linear_shared", HIDDEN, _COMBOS[2], "blockwise", offload=True)]
     return cases
 
 

@@ -10,7 +10,9 @@ dict once, then views the old storage, and every save writes the rows' initial v
 shards are never re-padded, which is why only uneven ones lost training.
 
 ``install()`` teaches ``reset_sharded_param`` the subclass case: a converted weight whose data
-already lives in the buffer stays where it is, as a plain tensor would.
+already lives in the buffer stays where it is, as a plain tensor would. That holds with CPU offload
+too (torchtitan's ``enable_cpu_offload``): FSDP2 pinned the buffer when it made it, so a shard in
+it is pinned already, and torch keeps a plain tensor there as well.
 """
 
 import functools
@@ -25,8 +27,8 @@ def _shard_in_buffer(fsdp_param: FSDPParam) -> bool:
     shard buffer: torch's own test for plain tensors, on the wrapped data."""
     info = fsdp_param._module_info
     param = getattr(info.module, info.param_name)
-    if param is not fsdp_param.sharded_param or fsdp_param.pin_memory:
-        return False  # a new parameter (load with assign=True) or CPU offload: torch's path
+    if param is not fsdp_param.sharded_param:
+        return False  # a new parameter (load with assign=True): torch's path
     local, buffer = param._local_tensor, fsdp_param._sharded_param_data
     if not (isinstance(local, Float8MoEWeight) and isinstance(buffer, Float8MoEWeight)):
         return False

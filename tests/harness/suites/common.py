@@ -1,6 +1,7 @@
 """What the suites share: comparisons, shards as FSDP2 splits them, state dicts and
 checkpoints, and running a suite's cases by name."""
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -43,6 +44,22 @@ def stale_entries(module, state_dicts: dict[str, dict]) -> list[str]:
         for name, param in module.named_parameters()
         if not torch.equal(local_values(state_dict[name]), local_values(param))
     ]
+
+
+@contextlib.contextmanager
+def host_pinning():
+    """Pinned host memory as FSDP2's CPU offload asks for it. Without an accelerator torch cannot
+    pin (``pin_memory()`` raises), so there every CPU tensor counts as pinned and pinning keeps
+    the tensor, the one difference being the page-locking itself; with CUDA, torch's own."""
+    if torch.accelerator.is_available():
+        yield
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("is_pinned", lambda tensor, device=None: True, "CPU")
+        yield
+    finally:
+        lib._destroy()
 
 
 def shared_folder() -> str:

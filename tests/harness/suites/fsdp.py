@@ -4,9 +4,15 @@
 import torch
 import torch.distributed as dist
 from expert_modules import build_expert_module, convert_to_float8_moe, expert_inputs, fsdp_cases
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from harness.suites.common import (
+    host_pinning,
     local_values,
     max_diff,
     run_cases,
@@ -21,6 +27,13 @@ STEPS, MICRO_BATCHES = 2, 2
 
 def _run_fsdp_case(case: dict, mesh) -> dict:
     """Train a converted expert module sharded and unsharded side by side and measure the gap."""
+    if not case["offload"]:
+        return _train_side_by_side(case, mesh, OffloadPolicy())
+    with host_pinning():
+        return _train_side_by_side(case, mesh, CPUOffloadPolicy())  # pinned, as torchtitan's
+
+
+def _train_side_by_side(case: dict, mesh, offload_policy: OffloadPolicy) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     param_dtype = getattr(torch, case["param_dtype"])
     recipe = case["recipe"]
@@ -33,6 +46,7 @@ def _run_fsdp_case(case: dict, mesh) -> dict:
         mesh=mesh,
         reshard_after_forward=case["reshard_after_forward"],
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        offload_policy=offload_policy,
     )
     # Taken before the first forward (FSDP's lazy init), as torchtitan's checkpointer does.
     state_dicts = taken_state_dicts(sharded)
