@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 import traceback
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -49,14 +50,26 @@ def stale_entries(module, state_dicts: dict[str, dict]) -> list[str]:
 @contextlib.contextmanager
 def host_pinning():
     """Pinned host memory as FSDP2's CPU offload asks for it. Without an accelerator torch cannot
-    pin (``pin_memory()`` raises), so there every CPU tensor counts as pinned and pinning keeps
-    the tensor, the one difference being the page-locking itself; with CUDA, torch's own."""
+    pin (``pin_memory()`` raises), so there pinning does what it does on a GPU machine but for
+    the page-locking itself: it copies the tensor into new memory, which alone counts as pinned
+    (``is_pinned``); with CUDA, torch's own."""
     if torch.accelerator.is_available():
         yield
         return
+    pinned = weakref.WeakValueDictionary()  # data pointer -> the storage pinning made
+
+    def pin(tensor, device=None):
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+        pinned[copy.untyped_storage().data_ptr()] = copy.untyped_storage()
+        return copy
+
+    def is_pinned(tensor, device=None):
+        return tensor.untyped_storage().data_ptr() in pinned
+
     lib = torch.library.Library("aten", "IMPL")
     try:
-        lib.impl("is_pinned", lambda tensor, device=None: True, "CPU")
+        lib.impl("_pin_memory", pin, "CPU")
+        lib.impl("is_pinned", is_pinned, "CPU")
         yield
     finally:
         lib._destroy()
