@@ -39,3 +39,10 @@ def gpt_oss() -> object:
 
 def gpt_oss_float8_moe() -> object:
     return _cut(entries.gpt_oss_debugmodel_float8_moe())
+
+
+def deepseek_v3_float8_moe_cached() -> object:
+    """With the fp8 weight cache (``cache_fp8_weights``), cleared after every optimizer step."""
+    config = deepseek_v3_float8_moe()
+    config.model_spec.model.float8_moe.cache_fp8_weights = True
+    return config

@@ -172,6 +172,13 @@ def test_preflight_exit_codes(capsys):
     assert "no Float8MoEConverter" in capsys.readouterr().err
 
 
+def test_preflight_plans_an_entry_with_the_fp8_weight_cache(capsys):
+    """cache_fp8_weights registers torch's optimizer-step hook when the run is captured."""
+    argv = ["--module", "tests_v03.entries", "--config", "deepseek_v3_float8_moe_cached"]
+    assert preflight.main([*argv, "--ngpu", "2", "--target", "cpu"]) == preflight.EXIT_OK
+    assert "routed_experts.inner_experts.w1_EFD" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [(dict(recipe="tensorwise"), "recipe 'tensorwise'"), (dict(policy="fast"), "policy 'fast'")],

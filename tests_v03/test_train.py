@@ -107,6 +107,16 @@ def test_shard_plan_under_expert_parallelism(runs):
     assert "[32, 768, 256]" in row.group(1) and "ep 2 (dim 0)" in row.group(1), row.group(1)
 
 
+def test_fp8_weight_cache_gives_the_uncached_losses(runs):
+    """cache_fp8_weights reuses each weight's fp8 copies within a step (cleared by a global
+    optimizer-step hook on 0.3, run.py): the losses are the uncached run's, bit for bit."""
+    parallelism, steps = FAMILIES["deepseek_v3"]
+    uncached, _ = runs("deepseek_v3_fp8", "deepseek_v3_float8_moe", steps, *parallelism)
+    cached, log = runs("deepseek_v3_fp8_cached", "deepseek_v3_float8_moe_cached", steps, *FSDP2)
+    assert "fp8 weight cache on" in log, log[-3000:]
+    assert cached == uncached
+
+
 def test_checkpoint_resume_gives_the_same_losses(runs, tmp_path):
     parallelism, steps = FAMILIES["deepseek_v3"]
     straight, _ = runs("deepseek_v3_fp8", "deepseek_v3_float8_moe", steps, *parallelism)

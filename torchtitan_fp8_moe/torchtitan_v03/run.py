@@ -5,6 +5,7 @@ config (``Run.capture``, from the model config's ``update_from_config``), with t
 import torch
 import torch._inductor.config
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 
@@ -115,9 +116,10 @@ _optimizer_hook = None
 
 def _clear_caches_after_optimizer_steps() -> None:
     """0.3 converters have no post-optimizer hook: a global one frees the fp8 weight copies,
-    stale once the weights changed (0.2.2's converter does it in its post_optimizer_hook)."""
+    stale once the weights changed (0.2.2's converter does it in its post_optimizer_hook).
+    Imported from ``torch.optim.optimizer``: ``torch.optim`` deletes its ``optimizer`` name."""
     global _optimizer_hook
     if _optimizer_hook is None:
-        _optimizer_hook = torch.optim.optimizer.register_optimizer_step_post_hook(
+        _optimizer_hook = register_optimizer_step_post_hook(
             lambda optimizer, args, kwargs: clear_fp8_weight_caches()
         )
