@@ -79,6 +79,44 @@ def test_cli_override_selects_only_shared_expert():
     }
 
 
+def _toml(tmp_path, float8_moe: str) -> str:
+    toml = tmp_path / "job.toml"
+    toml.write_text(
+        textwrap.dedent(f"""
+        [job]
+        custom_config_module = "torchtitan_fp8_moe.config"
+        [model]
+        converters = ["float8_moe"]
+        [float8_moe]
+        {float8_moe}
+    """)
+    )
+    return f"--job.config_file={toml}"
+
+
+@pytest.mark.parametrize(
+    "fqns, shared_only",
+    [('"shared_experts"', True), ('"shared_experts,experts"', False)],
+    ids=["one", "comma-separated"],
+)
+def test_toml_string_fqns_are_one_entry_or_a_comma_separated_list(tmp_path, fqns, shared_only):
+    """A TOML string is what torchtitan's command line makes of it, never its characters."""
+    model, (converter,) = _convert([_toml(tmp_path, f"fqns = {fqns}")])
+    assert converter.fqns == ["shared_experts"] if shared_only else ["shared_experts", "experts"]
+    shared = _expected([1, 3], shared=True) - _expected([1, 3], shared=False)
+    assert _converted_names(model) == (shared if shared_only else _expected([1, 3], True))
+
+
+def test_spaces_around_command_line_fqns_are_stripped():
+    """ " experts" matched nothing: llama4's routed experts stayed bf16 beside an fp8 shared
+    expert."""
+    model, (converter,) = _convert(
+        [CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns=shared_expert, experts"]
+    )
+    assert converter.fqns == ["shared_expert", "experts"]
+    assert _converted_names(model) == _expected([1, 3], shared=True)
+
+
 def test_bad_recipe_is_a_clear_error():
     with pytest.raises(ValueError, match=r"recipe 'tensorwise' is not supported.*rowwise"):
         _convert([CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.recipe=tensorwise"])

@@ -188,6 +188,15 @@ def test_bad_settings_are_refused(settings, message):
         Float8MoEConverter.Config(**settings).build()
 
 
+def test_a_string_of_fqns_is_one_entry():
+    """fqns="shared_experts" converts the shared experts, not what its characters match."""
+    spec = deepseek_v3.model_registry(
+        "debugmodel", converters=[Float8MoEConverter.Config(policy="always", fqns="shared_experts")]
+    )
+    converted = _converted(_meta_model(spec.model))
+    assert len(converted) == 15 and all(".shared_experts." in n for n in converted), converted
+
+
 def test_fqns_matching_no_expert_are_refused_at_build():
     spec = qwen3.model_registry(
         "debugmodel_moe",

@@ -18,7 +18,9 @@ class Float8MoE:
     fqns: list[str] = field(default_factory=lambda: ["experts", "shared_expert"])
     """Module FQN substrings whose expert weights are converted: grouped-experts modules
     (3D w1/w2/w3) and FeedForward modules (nn.Linear w1/w2/w3). The defaults match Llama4's
-    routed `moe.experts` and its shared expert (`moe.shared_experts` or `moe.shared_expert`)."""
+    routed `moe.experts` and its shared expert (`moe.shared_experts` or `moe.shared_expert`).
+    A TOML string is one entry or a comma-separated list, as on the command line; spaces
+    around an entry are dropped."""
 
     policy: str = "auto"
     """"auto": keep in bf16 the expert weights whose fp8 GEMMs, casts included, are slower

@@ -23,6 +23,7 @@ from .compile_cache import key_compile_caches
 from .fp8.recipes import Recipe
 from .measure import Timing, WeightCase, time_cases, timing_device
 from .policy import POLICIES, fp8_gain_ms, times_weights
+from .settings import fqn_entries
 from .sharding import ShardPlanRow, plan_expert_weight, plan_weight, with_all_gather
 from .swap import (
     compact_fqns,
@@ -46,7 +47,7 @@ DEFAULT_FQNS = ("experts", "shared_expert")
 def convert(
     model: nn.Module,
     *,
-    fqns: Sequence[str] = DEFAULT_FQNS,
+    fqns: Sequence[str] | str = DEFAULT_FQNS,
     recipe: str = "rowwise",
     emulate: bool | None = None,
     cache_fp8_weights: bool = False,
@@ -62,7 +63,8 @@ def convert(
 ) -> list[ShardPlanRow]:
     """Convert ``model``'s expert modules in place and return the shard plan of their weights.
 
-    ``fqns``: FQN substrings of the expert modules to convert (none may be empty).
+    ``fqns``: FQN substrings of the expert modules to convert (none may be empty; one string is
+    one entry or a comma-separated list, ``settings.fqn_entries``).
     ``recipe``: how the fp8 GEMMs scale their operands, "rowwise" or "blockwise" (``config.py``).
     ``emulate``: run fp8 numerics emulated (quantize, dequantize, fp32 matmul); None: emulate
     unless a CUDA device with fp8 tensor cores (sm89+) is present.
@@ -247,11 +249,13 @@ def _measuring_device(policy: str) -> torch.device | None:
     return device if times_weights(policy, torch.cuda.get_device_name(device)) else None
 
 
-def select_expert_modules(model: nn.Module, fqns: Sequence[str]) -> list[tuple[str, nn.Module]]:
+def select_expert_modules(
+    model: nn.Module, fqns: Sequence[str] | str
+) -> list[tuple[str, nn.Module]]:
     """(FQN, module) of the expert modules ``convert`` converts; raises, naming what it looked
     at, when ``fqns`` is empty, matches no expert module, or matches a dense feed-forward."""
-    fqns = list(fqns)
-    if not fqns or any(not f.strip() for f in fqns):
+    fqns = fqn_entries(fqns)
+    if not fqns or any(not f for f in fqns):
         raise ValueError(
             f"float8_moe: fqns {fqns} is empty or holds an empty string, which would match "
             f"every module; name the expert modules to convert, e.g. {list(DEFAULT_FQNS)}"

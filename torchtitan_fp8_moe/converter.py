@@ -21,6 +21,7 @@ from .run_checks import (
     conversion_message,
     disable_compile_caches_for_tensor_parallelism,
 )
+from .settings import fqn_entries
 from .sharding import ShardPlanRow
 from .swap import is_grouped_experts
 
@@ -102,7 +103,7 @@ class Float8MoEConverter:
             sequences = job_config.parallelism.pipeline_parallel_microbatch_size
         self.tokens = sequences * training.seq_len // parallel_dims.cp
         self.compiled = job_config.compile.enable and "model" in job_config.compile.components
-        self.fqns = list(config.fqns)
+        self.fqns = fqn_entries(config.fqns)
         self.cache_fp8_weights = config.cache_fp8_weights
         self.fp8_all_gather = config.fp8_all_gather
         self.parallel_dims = parallel_dims

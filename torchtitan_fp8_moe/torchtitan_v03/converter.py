@@ -40,9 +40,10 @@ class Float8MoEConverter(QuantizationConverter):
         """fp8 scaling recipe; with torchtitan 0.3 only "rowwise" (power-of-2 scales per row,
         float8_e4m3fn): "blockwise" runs with torchtitan 0.2.2 for now."""
 
-        fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FQNS))
-        """Module FQN substrings of the expert modules to convert; "experts" matches 0.3's
-        routed ``moe.routed_experts.inner_experts`` and shared ``moe.shared_experts``."""
+        fqns: list[str] | str = field(default_factory=lambda: list(DEFAULT_FQNS))
+        """Module FQN substrings of the expert modules to convert (a string: one, or a
+        comma-separated list); "experts" matches 0.3's routed
+        ``moe.routed_experts.inner_experts`` and shared ``moe.shared_experts``."""
 
         policy: str = "auto"
         """"auto": keep bf16 the weights whose fp8 GEMMs are slower at this run's per-rank
