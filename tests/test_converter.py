@@ -127,6 +127,40 @@ def test_unmatched_fqns_name_the_modules_looked_at():
         _convert([CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns=router"])
 
 
+def test_an_fqns_entry_matching_nothing_is_refused_beside_one_that_matches():
+    """It was dropped without a word: the module it meant trained in bf16."""
+    with pytest.raises(ValueError) as error:
+        _convert(
+            [
+                CUSTOM_CONFIG,
+                "--model.converters=float8_moe",
+                "--float8_moe.fqns=experts,shared_expertz",
+            ]
+        )
+    message = str(error.value)
+    assert message.startswith(
+        "float8_moe: fqns entries ['shared_expertz'] of ['experts', 'shared_expertz'] match none "
+        "of the model's expert modules"
+    ), message
+    assert "every entry must match one; correct or remove it" in message
+    assert "(layers.1.moe.experts, layers.3.moe.experts): expert module, matched by" in message
+
+
+def test_the_default_fqns_convert_a_model_without_shared_experts():
+    """The defaults name routed and shared experts: Qwen3's MoE has no shared expert."""
+    spec = get_train_spec("qwen3")
+    with torch.device("meta"):
+        model = spec.model_cls(replace(spec.model_args["debugmodel_moe"], n_layers=2))
+    converters = build_model_converters(
+        ConfigManager().parse_args([CUSTOM_CONFIG, "--model.converters=float8_moe"]),
+        _parallel_dims(),
+    )
+    converters.convert(model)
+    assert _converted_names(model) == {
+        f"layers.{i}.moe.experts.w{j}" for i in (0, 1) for j in (1, 2, 3)
+    }
+
+
 def test_missing_config_section_is_a_clear_error():
     with pytest.raises(ValueError, match="custom_config_module"):
         _convert(["--model.converters=float8_moe"])

@@ -206,6 +206,13 @@ def test_fqns_matching_no_expert_are_refused_at_build():
         _meta_model(spec.model)
 
 
+def test_an_fqns_entry_matching_nothing_is_refused_beside_one_that_matches():
+    settings = Float8MoEConverter.Config(policy="always", fqns=["routed_experts", "shared_expertz"])
+    spec = deepseek_v3.model_registry("debugmodel", converters=[settings])
+    with pytest.raises(ValueError, match=r"fqns entries \['shared_expertz'\] of \["):
+        _meta_model(spec.model)
+
+
 def test_converter_twice_is_refused():
     with pytest.raises(ValueError, match="twice"):
         deepseek_v3.model_registry("debugmodel", converters=ALWAYS * 2)

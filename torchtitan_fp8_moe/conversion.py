@@ -253,7 +253,8 @@ def select_expert_modules(
     model: nn.Module, fqns: Sequence[str] | str
 ) -> list[tuple[str, nn.Module]]:
     """(FQN, module) of the expert modules ``convert`` converts; raises, naming what it looked
-    at, when ``fqns`` is empty, matches no expert module, or matches a dense feed-forward."""
+    at, when ``fqns`` is empty, an entry matches no expert module (with the defaults, one of
+    them may: a model without shared experts), or an entry matches a dense feed-forward."""
     fqns = fqn_entries(fqns)
     if not fqns or any(not f for f in fqns):
         raise ValueError(
@@ -269,33 +270,45 @@ def select_expert_modules(
             "weights only. Use torchtitan's quantize.linear.float8 converter for dense layers, "
             f"and narrow fqns to the expert modules {compact_fqns([f for f, _ in candidates])}"
         )
-    targets = [(fqn, m) for fqn, m in candidates if any(f in fqn for f in fqns)]
-    if not targets:
-        raise ValueError(_no_match_message(model, fqns, candidates))
-    return targets
+    unmatched = [f for f in fqns if not any(f in fqn for fqn, _ in candidates)]
+    if fqns == list(DEFAULT_FQNS) and len(unmatched) < len(fqns):
+        # The defaults name routed and shared experts; Qwen3's and GPT-OSS's have no shared.
+        unmatched = []
+    if unmatched:
+        raise ValueError(_no_match_message(model, fqns, unmatched, candidates))
+    return [(fqn, m) for fqn, m in candidates if any(f in fqn for f in fqns)]
 
 
 def _no_match_message(
-    model: nn.Module, fqns: list[str], candidates: list[tuple[str, nn.Module]]
+    model: nn.Module, fqns: list[str], unmatched: list[str], candidates: list[tuple[str, nn.Module]]
 ) -> str:
-    """What was looked at and why nothing converts: the expert modules the fqns missed, then
-    every other module holding parameters, grouped by class."""
-    fix = (
-        "set float8_moe.fqns to substrings of those FQNs"
-        if candidates
-        else "the model has none; leave float8_moe out of model.converters for it"
-    )
-    lines = [
-        f"float8_moe: fqns {fqns} match none of the model's expert modules "
-        f"{[fqn for fqn, _ in candidates]}; {fix}. Modules looked at, by class:"
-    ]
-    by_class: dict[str, list[str]] = {}
+    """What was looked at and which ``fqns`` entries matched nothing (``unmatched``): the expert
+    modules and the entries that match each, then every other module holding parameters,
+    grouped by class."""
+    names = [fqn for fqn, _ in candidates]
+    if len(unmatched) == len(fqns):
+        fix = (
+            "set float8_moe.fqns to substrings of those FQNs"
+            if candidates
+            else "the model has none; leave float8_moe out of model.converters for it"
+        )
+        header = f"float8_moe: fqns {fqns} match none of the model's expert modules {names}"
+    else:
+        # The other entries convert their modules: the ones meant here would stay bf16.
+        fix = "every entry must match one; correct or remove it"
+        header = (
+            f"float8_moe: fqns entries {unmatched} of {fqns} match none of the model's expert "
+            f"modules {names}"
+        )
+    lines = [f"{header}; {fix}. Modules looked at, by class:"]
+    by_class: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for fqn, module in candidates:
-        by_class.setdefault(type(module).__name__, []).append(fqn)
-    for cls, class_fqns in by_class.items():
+        matched = tuple(f for f in fqns if f in fqn)
+        by_class.setdefault((type(module).__name__, matched), []).append(fqn)
+    for (cls, matched), class_fqns in by_class.items():
+        match = f"matched by {list(matched)}" if matched else "FQN matches none of float8_moe.fqns"
         lines.append(
-            f"  {cls} x{len(class_fqns)} ({compact_fqns(class_fqns)}): expert module, FQN "
-            "matches none of float8_moe.fqns"
+            f"  {cls} x{len(class_fqns)} ({compact_fqns(class_fqns)}): expert module, {match}"
         )
     lines += [f"  {line}" for line in describe_non_experts(model)]
     lines.append(
