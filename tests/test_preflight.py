@@ -327,6 +327,36 @@ REFUSED_LAYOUTS = {
         r"training\.seq_len 100 must be divisible by tensor_parallel_degree \(4\) x 2 x "
         r"context_parallel_degree \(1\) = 8",
     ),
+    # Sizes below 1: the launch fails building its data loader or model, at step 1, or (with
+    # float8_moe) in the converter, which takes its tokens per micro-batch from them.
+    "no sequences per rank": (
+        2,
+        ["--training.local_batch_size=0"],
+        r"^preflight FAILED: training\.local_batch_size = 0 must be at least 1 \(sequences per "
+        r"rank and step\).*\"batch_size should be a positive integer value, but got "
+        r"batch_size=0\"",
+    ),
+    "empty sequences": (
+        2,
+        ["--training.seq_len=0"],
+        r"^preflight FAILED: training\.seq_len = 0 must be at least 1 \(tokens per sequence\)"
+        r".*at step 1 \(\"cannot reshape tensor of 0 elements",
+    ),
+    "negative sequence length": (
+        2,
+        ["--training.seq_len=-64"],
+        r"^preflight FAILED: training\.seq_len = -64 must be at least 1 .*building the model "
+        r".*\"upper bound and lower bound inconsistent with step sign\"",
+    ),
+    "empty pipeline microbatches": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree=2",
+            "--parallelism.pipeline_parallel_microbatch_size=0",
+        ],
+        r"^preflight FAILED: parallelism\.pipeline_parallel_microbatch_size = 0 must be at least "
+        r"1 \(sequences per pipeline micro-batch\).*\"integer modulo by zero\"",
+    ),
     "TP above the attention heads": (
         32,  # divides every expert dim (256, 512) but not the 16 heads
         ["--parallelism.tensor_parallel_degree=32"],
@@ -344,6 +374,13 @@ def test_layout_the_launch_rejects_exits_2_with_its_reason(capsys, layout):
     (failure,) = [line for line in err.splitlines() if line.startswith("preflight FAILED: ")]
     assert re.search(message, failure), failure
     assert "Traceback" not in out + err
+
+
+def test_microbatch_size_without_a_pipeline_is_not_read(capsys):
+    """Without pipeline parallelism the launch never reads it: preflight passes it too."""
+    overrides = ["--parallelism.pipeline_parallel_microbatch_size=0"]
+    rc, out, err = _preflight(capsys, "--config", DEBUG_CONFIG, "--ngpu", "2", *overrides)
+    assert rc == 0, out + err
 
 
 def test_expert_parallelism_that_fits_plans_one_expert_per_rank(capsys):

@@ -1,10 +1,12 @@
 """Preflight's verdict against the launch's, over random parallel layouts (hypothesis).
 
 Each layout (world size 1-8; pipeline, HSDP, tensor, context, expert and expert-tensor degrees;
-2 to 8 routed experts, converted or left to torch; the pipeline's microbatches) goes to `python
+2 to 8 routed experts, converted or left to torch; the pipeline's microbatches; the sequence
+length, local batch and microbatch sizes, now and then zero, negative or not given) goes to `python
 -m torchtitan_fp8_moe.preflight --target cpu` and to torchtitan's own Trainer on CPU ranks for
 one step (tests/harness/trainer_batch.py), since some layouts only fail at step 1. Preflight must
-refuse exactly the layouts the launch fails on. Issue #25's three layouts are always among them.
+refuse exactly the layouts the launch fails on. Issue #25's three layouts and the sizes of
+SIZE_LAYOUTS are always among them.
 
 The launches: one per world size, its layouts one after the other, through the session's fork
 server (tests/harness/fork_launch.py). A layout that fails ends its launch (trainer_batch stops
@@ -72,6 +74,8 @@ class Layout:
     # False: float8_moe converts the shared experts only, so that the routed experts' EP and
     # FSDP rules are torch's and torchtitan's alone (the converter checks the weights it plans)
     fp8_routed: bool = True
+    seq_len: int | None = 64  # None: not given, the config's (256)
+    microbatch: int | None = None  # pipeline_parallel_microbatch_size; None: not given (1)
 
     @property
     def name(self) -> str:
@@ -79,18 +83,23 @@ class Layout:
             f"w{self.world}-pp{self.pp}-rep{self.dp_replicate}-tp{self.tp}-cp{self.cp}-"
             f"ep{self.ep}-etp{self.etp}-{self.model}-{self.experts}e-b{self.local_batch}"
             + ("" if self.fp8_routed else "-bf16routed")
+            + ("" if self.seq_len == 64 else f"-seq{self.seq_len}")
+            + ("" if self.microbatch is None else f"-mb{self.microbatch}")
         )
 
     def overrides(self) -> list[str]:
         """torchtitan overrides, the same for preflight and the launch (dp_shard takes the
         rest); activation checkpointing off, as EP with selective op AC is refused on CPU."""
         fqns = "experts,shared_expert" if self.fp8_routed else "shared_expert"
+        sizes = [] if self.seq_len is None else [f"--training.seq_len={self.seq_len}"]
+        if self.microbatch is not None:
+            sizes.append(f"--parallelism.pipeline_parallel_microbatch_size={self.microbatch}")
         return [
             "--experimental.custom_import=test_preflight_layouts",
             f"--model.name={self.model}",
             f"--model.flavor={flavor(self.experts)}",
             f"--float8_moe.fqns={fqns}",
-            "--training.seq_len=64",
+            *sizes,
             f"--training.local_batch_size={self.local_batch}",
             "--activation_checkpoint.mode=none",
             f"--parallelism.pipeline_parallel_degree={self.pp}",
@@ -135,8 +144,11 @@ def layouts(draw) -> Layout:
         etp=draw(st.sampled_from(sorted({1, tp}))),
         model=draw(st.sampled_from(MODELS)),
         experts=experts,
-        local_batch=draw(st.sampled_from([1, 2, 4])),
+        # Sizes below 1 or not given now and then: each of those below 1 fails its launch.
+        local_batch=draw(st.sampled_from([1, 2, 4] * 3 + [0, -1])),
         fp8_routed=draw(st.booleans()),
+        seq_len=draw(st.sampled_from([64] * 8 + [None, 0, -64])),
+        microbatch=draw(st.sampled_from([None] * 6 + [1, 0, -1])),
     )
 
 
@@ -223,6 +235,19 @@ ISSUE_LAYOUTS = [
 ]
 
 
+# Sizes below 1 (each fails at start-up or at step 1), one read only under pipeline parallelism,
+# and a sequence length not given (the config's).
+_TWO_RANKS = dict(world=2, pp=1, dp_replicate=1, tp=1, cp=1, ep=1, etp=1, model="llama4")
+SIZE_LAYOUTS = [
+    Layout(**_TWO_RANKS, experts=8, local_batch=2, seq_len=0),
+    Layout(**_TWO_RANKS, experts=8, local_batch=2, seq_len=-64),
+    Layout(**_TWO_RANKS, experts=8, local_batch=0),
+    Layout(**_TWO_RANKS, experts=8, local_batch=2, microbatch=0),
+    Layout(**dict(_TWO_RANKS, pp=2), experts=8, local_batch=2, microbatch=0),
+    Layout(**_TWO_RANKS, experts=8, local_batch=2, seq_len=None),
+]
+
+
 def _verdict_table(layouts_: list[Layout], expected: dict, launched: dict) -> str:
     rows = []
     for layout in layouts_:
@@ -237,7 +262,8 @@ def _verdict_table(layouts_: list[Layout], expected: dict, launched: dict) -> st
 @pytest.mark.slow  # a launch per world size and per failing layout: 30-90 s on 2 cores
 def test_preflight_refuses_exactly_what_the_launch_fails_on(fork_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("preflight_layouts")
-    layout_list = ISSUE_LAYOUTS + [x for x in draw_layouts(LAYOUTS) if x not in ISSUE_LAYOUTS]
+    fixed = ISSUE_LAYOUTS + SIZE_LAYOUTS
+    layout_list = fixed + [x for x in draw_layouts(LAYOUTS) if x not in fixed]
     expected = {layout: preflight_verdict(layout) for layout in layout_list}
     launched = {}
     for world in sorted({layout.world for layout in layout_list}):

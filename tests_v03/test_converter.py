@@ -180,6 +180,24 @@ def test_preflight_plans_an_entry_with_the_fp8_weight_cache(capsys):
 
 
 @pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--training.local_batch_size=0", "training.local_batch_size = 0 must be at least 1"),
+        ("--training.seq_len=0", "training.seq_len = 0 must be at least 1"),
+        ("--training.seq_len=-64", "training.seq_len = -64 must be at least 1"),
+    ],
+)
+def test_preflight_refuses_sizes_below_one_with_the_launchs_message(capsys, override, message):
+    """The launch stops on them where the model config captures the run (run.py), before the
+    model is built."""
+    argv = ["--module", "tests_v03.entries", "--config", "qwen3_float8_moe", "--ngpu", "2"]
+    assert preflight.main([*argv, "--target", "cpu", override]) == preflight.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert f"preflight: the launch would fail: {message}" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
     "settings, message",
     [(dict(recipe="tensorwise"), "recipe 'tensorwise'"), (dict(policy="fast"), "policy 'fast'")],
 )

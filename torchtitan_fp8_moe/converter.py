@@ -20,6 +20,7 @@ from .run_checks import (
     choose_fp8_path,
     conversion_message,
     disable_compile_caches_for_tensor_parallelism,
+    tokens_per_microbatch,
 )
 from .settings import fqn_entries
 from .sharding import ShardPlanRow
@@ -96,12 +97,13 @@ class Float8MoEConverter:
         self.recipe = recipe_named(config.recipe)  # raises naming the option when unknown
         self.policy = config.policy  # checked by conversion.convert
         training = job_config.training
-        # What each rank's experts multiply per forward: a pipeline runs micro-batches of
-        # pipeline_parallel_microbatch_size sequences; CP splits the sequence.
-        sequences = training.local_batch_size
-        if parallel_dims.pp > 1:
-            sequences = job_config.parallelism.pipeline_parallel_microbatch_size
-        self.tokens = sequences * training.seq_len // parallel_dims.cp
+        self.tokens = tokens_per_microbatch(
+            training.local_batch_size,
+            training.seq_len,
+            job_config.parallelism.pipeline_parallel_microbatch_size,
+            parallel_dims.pp,
+            parallel_dims.cp,
+        )
         self.compiled = job_config.compile.enable and "model" in job_config.compile.components
         self.fqns = fqn_entries(config.fqns)
         self.cache_fp8_weights = config.cache_fp8_weights

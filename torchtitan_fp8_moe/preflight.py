@@ -40,7 +40,7 @@ from torchtitan.tools.utils import set_default_dtype
 
 from . import converter as converter_module
 from .converter import Float8MoEConverter
-from .run_checks import check_cpu_context_parallelism, describe_policy
+from .run_checks import check_cpu_context_parallelism, describe_policy, tokens_per_microbatch
 from .sharding import expert_fsdp_degree, format_plan, plan_expert_weight
 
 EXIT_OK = 0
@@ -105,6 +105,22 @@ def build_parallel_dims(job_config: JobConfig, world_size: int) -> ParallelDims:
         raise PreflightError(
             f"parallelism for {world_size} ranks: {str(e) or 'invalid degrees'} ({given})"
         ) from e
+
+
+def check_sizes(job_config: JobConfig, dims: ParallelDims) -> None:
+    """The batch and sequence sizes the launch builds its data loader and model from (and the
+    float8_moe converter its tokens per micro-batch): each at least 1."""
+    training = job_config.training
+    try:
+        tokens_per_microbatch(
+            training.local_batch_size,
+            training.seq_len,
+            job_config.parallelism.pipeline_parallel_microbatch_size,
+            dims.pp,
+            dims.cp,
+        )
+    except ValueError as e:
+        raise PreflightError(str(e)) from e
 
 
 def build_meta_model(job_config: JobConfig) -> tuple[nn.Module, BaseModelArgs]:
@@ -461,6 +477,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     dims = build_parallel_dims(job_config, args.ngpu)
     check_device_mesh(dims)
     print("\n".join(describe_parallelism(dims)), flush=True)
+    check_sizes(job_config, dims)
     model, model_args = build_meta_model(job_config)
     print("\n".join(describe_model(job_config, model, model_args)), flush=True)
     float8_moe = float8_moe_converter(convert(job_config, dims, model, args.target))

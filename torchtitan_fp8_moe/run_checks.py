@@ -29,6 +29,54 @@ def choose_fp8_path(emulate: bool, plan_target: str | None) -> tuple[bool, str, 
     )
 
 
+def tokens_per_microbatch(
+    local_batch_size: int, seq_len: int, microbatch_size: int, pp: int, cp: int
+) -> int:
+    """The tokens each rank's experts multiply per forward: a pipeline runs micro-batches of
+    pipeline_parallel_microbatch_size sequences; CP splits the sequence. Raises, naming the
+    option, for a size below 1, on which the launch fails (in bf16 too)."""
+    sizes = {"training.local_batch_size": local_batch_size, "training.seq_len": seq_len}
+    if pp > 1:  # read only by pipeline parallelism
+        sizes["parallelism.pipeline_parallel_microbatch_size"] = microbatch_size
+    for option, size in sizes.items():
+        if size < 1:
+            what, failure = _SIZES[option]
+            raise ValueError(
+                f"{option} = {size} must be at least 1 ({what}): torchtitan fails on it "
+                f"{failure(size)}, in bf16 too; set it to a positive value"
+            )
+    return (microbatch_size if pp > 1 else local_batch_size) * seq_len // cp
+
+
+# What each size counts, and where a launch fails on one below 1 that no check stops first
+# (torchtitan 0.2.2 and torch 2.13; float8_moe's converters stop it before).
+_SIZES = {
+    "training.local_batch_size": (
+        "sequences per rank and step",
+        lambda size: (
+            "building its data loader (torch's DataLoader: \"batch_size should be a positive "
+            f'integer value, but got batch_size={size}")'
+        ),
+    ),
+    "training.seq_len": (
+        "tokens per sequence",
+        lambda size: (
+            'at step 1 ("cannot reshape tensor of 0 elements ...")'
+            if size == 0
+            else "building the model (its rotary table's torch.arange: \"upper bound and lower "
+            'bound inconsistent with step sign")'
+        ),
+    ),
+    "parallelism.pipeline_parallel_microbatch_size": (
+        "sequences per pipeline micro-batch",
+        lambda size: (
+            "at start-up, dividing training.local_batch_size by it "
+            + ('("integer modulo by zero")' if size == 0 else "into negative microbatches")
+        ),
+    ),
+}
+
+
 def check_fp8_all_gather_dtype(fp8_all_gather: bool, all_gather_dtype, param_dtype_name: str):
     """fp8_all_gather quantizes the shards in FSDP's param dtype; the experts need bf16."""
     if fp8_all_gather and all_gather_dtype not in (None, torch.bfloat16):

@@ -16,6 +16,7 @@ from ..run_checks import (
     check_fp8_all_gather_dtype,
     choose_fp8_path,
     disable_compile_caches_for_tensor_parallelism,
+    tokens_per_microbatch,
 )
 
 # torchtitan 0.3's parallelization backend float8_moe is tested with: DTensor parameters over the
@@ -65,12 +66,13 @@ class Run:
             )
         world_size = plan_world_size or (dist.get_world_size() if dist.is_initialized() else 1)
         dims = ParallelDims.from_config(parallelism, world_size)
-        # What each rank's experts multiply per forward: a pipeline runs micro-batches of
-        # pipeline_parallel_microbatch_size sequences; CP splits the sequence.
-        sequences = training.local_batch_size
-        if dims.pp > 1:
-            sequences = parallelism.pipeline_parallel_microbatch_size
-        self.tokens = sequences * training.seq_len // dims.cp
+        self.tokens = tokens_per_microbatch(
+            training.local_batch_size,
+            training.seq_len,
+            parallelism.pipeline_parallel_microbatch_size,
+            dims.pp,
+            dims.cp,
+        )
         compile_config = trainer_config.compile
         self.compiled = compile_config.enable and "model" in compile_config.components
         param_dtype = training.mixed_precision_param
