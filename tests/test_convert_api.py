@@ -1,12 +1,16 @@
 """``torchtitan_fp8_moe.convert``: the public one-call conversion, on torchtitan's Llama4 debug
-model without the trainer, and the fqns it refuses (empty, or matching dense feed-forwards)."""
+model without the trainer, the fqns it refuses (empty, or matching dense feed-forwards), and its
+refusals on the fp8 kernel path."""
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn as nn
 from test_converter import CUSTOM_CONFIG, _convert, _converted_names, _expected, _parallel_dims
+from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_fp8_moe import Float8MoEWeight, convert, format_plan
@@ -102,3 +106,30 @@ def test_hf_state_dict_adapter_sees_the_plain_values_both_ways():
         loaded = model.get_parameter(name)
         values = loaded._data if isinstance(loaded, Float8MoEWeight) else loaded
         assert torch.equal(values, param * 2), name
+
+
+def _experts(hidden: int) -> nn.Module:
+    """6 grouped experts of dim 256, on the meta device."""
+    with torch.device("meta"):
+        return nn.ModuleDict({"experts": GroupedExperts(256, hidden, 6, use_grouped_mm=True)})
+
+
+@pytest.mark.parametrize(
+    "hidden, tp, cause",
+    [
+        (200, 1, r"not dim 1 \(200\): the model's own size"),
+        # 272 = 17 x 16 rows, 136 a rank under TP 2
+        (272, 2, r"dim 1 is split by parallelism\.tensor_parallel_degree .*; lower it"),
+    ],
+)
+def test_fp8_kernel_shape_refusal_names_the_cause(hidden, tp, cause):
+    """w1 [6, hidden, 256] on the CUDA path, policy "always": 200 rows are the model's, and
+    no tensor-parallel degree to lower; 272 split over TP 2 is TP's."""
+    dims = _parallel_dims(world_size=tp, tp=tp)
+    with pytest.raises(ValueError) as error:
+        convert(_experts(hidden), emulate=False, policy="always", parallel_dims=dims)
+    message = str(error.value)
+    assert re.search(r"experts\.w1 has shape \[6, \d+, 256\] per rank.*multiples of 16", message)
+    assert re.search(cause, message), message
+    assert ("tensor_parallel_degree" in message) == (tp > 1), message
+    assert 'float8_moe.policy = "auto"' in message and "float8_moe.fqns" in message, message

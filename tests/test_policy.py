@@ -112,8 +112,12 @@ def test_emulated_path_converts_everything_under_auto():
 
 
 def test_auto_on_cuda_needs_the_tokens_and_policy_must_be_known():
-    with pytest.raises(ValueError, match="pass tokens="):
+    """The message names the config keys the trainer reads the tokens from, and the policy."""
+    with pytest.raises(ValueError) as error:
         convert(scout_meta_model(), emulate=False)
+    message = str(error.value)
+    assert "training.local_batch_size" in message and "training.seq_len" in message, message
+    assert 'float8_moe.policy = "always"' in message, message
     with pytest.raises(ValueError, match="policy 'sometimes' is not one of"):
         convert(scout_meta_model(), emulate=False, policy="sometimes")
 

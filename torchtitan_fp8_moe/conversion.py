@@ -94,7 +94,11 @@ def convert(
     if deciding and not tokens:
         raise ValueError(
             f'float8_moe: policy "{policy}" decides from the tokens each rank multiplies per '
-            'micro-batch; pass tokens=..., or policy="always" to convert every weight'
+            f"micro-batch, here {tokens}: in a trainer run training.local_batch_size "
+            "(parallelism.pipeline_parallel_microbatch_size under a pipeline) x "
+            "training.seq_len / parallelism.context_parallel_degree; a model converted outside "
+            'the trainer has none. Set float8_moe.policy = "always" to convert every selected '
+            'weight (in a call to convert: policy="always", or tokens=N)'
         )
     modules = dict(model.named_modules())
     weights = []  # (module, weight name, plan row, what the policy times or estimates)

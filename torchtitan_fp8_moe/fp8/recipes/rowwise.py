@@ -43,14 +43,25 @@ class RowwiseRecipe(Recipe):
     def check_local_shape(self, fqn, local_shape, tp_dim, emulate):
         if emulate:
             return
-        k, n = local_shape[-1], local_shape[-2]
-        if k % FP8_MATRIX_ALIGNMENT or n % FP8_MATRIX_ALIGNMENT:
-            raise ValueError(
-                f"float8_moe: {fqn} has shape {list(local_shape)} per rank after tensor/expert "
-                "parallelism; fp8 kernels need both matrix dims to be multiples of "
-                f"{FP8_MATRIX_ALIGNMENT}. Leave it out of float8_moe.fqns or lower "
-                "parallelism.tensor_parallel_degree."
+        matrix_dims = (len(local_shape) - 2, len(local_shape) - 1)
+        unaligned = [d for d in matrix_dims if local_shape[d] % FP8_MATRIX_ALIGNMENT]
+        if not unaligned:
+            return
+        which = ", ".join(f"dim {d} ({local_shape[d]})" for d in unaligned)
+        if tp_dim in unaligned:
+            cause = (
+                f"dim {tp_dim} is split by parallelism.tensor_parallel_degree "
+                "(expert_tensor_parallel_degree for routed experts under expert parallelism); "
+                "lower it, "
             )
+        else:
+            cause = "the model's own size (no tensor parallelism splits it); "
+        raise ValueError(
+            f"float8_moe: {fqn} has shape {list(local_shape)} per rank; fp8 kernels need both "
+            f"matrix dims to be multiples of {FP8_MATRIX_ALIGNMENT}, not {which}: "
+            f"{cause}leave the module out of float8_moe.fqns, or set float8_moe.policy = "
+            '"auto", which keeps in bf16 the weights fp8 kernels cannot multiply.'
+        )
 
     def token_group_alignment(self, emulate: bool) -> int | None:
         # torch's fp8 grouped GEMM needs 16-row token groups (with torchtitan's default, a
