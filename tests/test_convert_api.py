@@ -77,6 +77,10 @@ def test_dense_feed_forwards_are_refused_with_the_converter_to_use():
     message = str(error.value)
     assert "dense feed-forwards layers.0.feed_forward, layers.2.feed_forward" in message
     assert "quantize.linear.float8" in message
+    assert message.endswith(
+        "narrow fqns to the expert modules layers.1.moe.experts, "
+        "layers.1.moe.shared_experts, layers.3.moe.experts, layers.3.moe.shared_experts"
+    ), message
     model, _ = _convert(
         [CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns=shared_experts"]
     )

@@ -127,6 +127,22 @@ def test_unmatched_fqns_name_the_modules_looked_at():
         _convert([CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns=router"])
 
 
+def test_the_no_match_error_tells_dense_feed_forwards_from_expert_modules():
+    """Llama4's even layers are dense: listed among the modules looked at, not the experts."""
+    with pytest.raises(ValueError) as error:
+        _convert([CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.fqns=router"])
+    first, *lines = str(error.value).splitlines()
+    assert "'layers.1.moe.shared_experts'" in first and "feed_forward" not in first, first
+    assert (
+        "  FeedForward x2 (layers.1.moe.shared_experts, layers.3.moe.shared_experts): expert "
+        "module, FQN matches none of float8_moe.fqns" in lines
+    ), lines
+    assert (
+        "  FeedForward x2 (layers.0.feed_forward, layers.2.feed_forward): a dense feed-forward, no "
+        "expert module (no grouped experts beside it)" in lines
+    ), lines
+
+
 def test_an_fqns_entry_matching_nothing_is_refused_beside_one_that_matches():
     """It was dropped without a word: the module it meant trained in bf16."""
     with pytest.raises(ValueError) as error:

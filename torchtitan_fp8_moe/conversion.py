@@ -265,8 +265,9 @@ def select_expert_modules(
             f"float8_moe: fqns {fqns} is empty or holds an empty string, which would match "
             f"every module; name the expert modules to convert, e.g. {list(DEFAULT_FQNS)}"
         )
-    candidates = expert_modules(model)
-    dense = [fqn for fqn in dense_feed_forwards(model) if any(f in fqn for f in fqns)]
+    dense_fqns = dense_feed_forwards(model)
+    candidates = [(fqn, m) for fqn, m in expert_modules(model) if fqn not in dense_fqns]
+    dense = [fqn for fqn in dense_fqns if any(f in fqn for f in fqns)]
     if dense:
         raise ValueError(
             f"float8_moe: fqns {fqns} match the dense feed-forwards {compact_fqns(dense)}, which "

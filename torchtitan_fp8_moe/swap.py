@@ -110,9 +110,11 @@ def dense_feed_forwards(model: nn.Module) -> list[str]:
 
 def describe_non_experts(model: nn.Module, max_fqns: int = 3) -> list[str]:
     """One line per (class, reason) for the modules holding parameters that are not expert
-    modules: ``Linear x12 (layers.0.attention.wq, ...): no 3D [E, out, in] parameters (...)``.
-    Modules holding none (containers) are left out; the linears of a feed-forward expert too."""
-    expert_linears = {
+    modules: ``Linear x12 (layers.0.attention.wq, ...): no 3D [E, out, in] parameters (...)``,
+    and the dense feed-forwards (``dense_feed_forwards``). Modules holding none (containers)
+    are left out; the linears of a feed-forward too."""
+    dense = set(dense_feed_forwards(model))
+    feed_forward_linears = {
         id(getattr(module, name))
         for _, module in expert_modules(model)
         if is_feed_forward(module)
@@ -120,11 +122,15 @@ def describe_non_experts(model: nn.Module, max_fqns: int = 3) -> list[str]:
     }
     groups: dict[tuple[str, str], list[str]] = defaultdict(list)
     for fqn, module in model.named_modules():
-        if is_expert_module(module) or id(module) in expert_linears:
+        if fqn in dense:
+            reason = "a dense feed-forward, no expert module (no grouped experts beside it)"
+        elif is_expert_module(module) or id(module) in feed_forward_linears:
             continue
-        if not any(True for _ in module.parameters(recurse=False)):
+        elif not any(True for _ in module.parameters(recurse=False)):
             continue
-        groups[(type(module).__name__, grouped_experts_mismatch(module))].append(fqn or "<root>")
+        else:
+            reason = grouped_experts_mismatch(module)
+        groups[(type(module).__name__, reason)].append(fqn or "<root>")
     return [
         f"{cls} x{len(fqns)} ({compact_fqns(fqns, max_fqns)}): {reason}"
         for (cls, reason), fqns in groups.items()
