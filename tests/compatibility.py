@@ -230,13 +230,15 @@ ROWS = [
         ["test_train.py::test_checkpoints_hold_plain_tensors_and_load_either_way"],
     ),
     (
-        "Unknown `recipe`; an `fqns` entry matching nothing; no `[float8_moe]` section",
+        "Unknown `recipe`; an `fqns` entry matching nothing; a setting of another type "
+        '(`emulate = "false"`); no `[float8_moe]` section',
         REFUSED,
         "error names the value and what to set",
         [
             "test_converter.py::test_bad_recipe_is_a_clear_error",
             "test_converter.py::test_unmatched_fqns_name_the_modules_looked_at",
             "test_converter.py::test_an_fqns_entry_matching_nothing_is_refused_beside_one_that_matches",
+            "test_converter.py::test_toml_settings_of_another_type_are_refused",
             "test_converter.py::test_missing_config_section_is_a_clear_error",
         ],
     ),

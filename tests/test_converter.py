@@ -1,6 +1,7 @@
 """The float8_moe converter through torchtitan's own ConfigManager, ParallelDims and Llama4."""
 
 import logging
+import re
 import textwrap
 from dataclasses import replace
 
@@ -105,6 +106,20 @@ def test_toml_string_fqns_are_one_entry_or_a_comma_separated_list(tmp_path, fqns
     assert converter.fqns == ["shared_experts"] if shared_only else ["shared_experts", "experts"]
     shared = _expected([1, 3], shared=True) - _expected([1, 3], shared=False)
     assert _converted_names(model) == (shared if shared_only else _expected([1, 3], True))
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ('emulate = "false"', "emulate = 'false' is of type str; emulate takes a bool"),
+        ("cache_fp8_weights = 1", "cache_fp8_weights = 1 is of type int; cache_fp8_weights takes"),
+        ("policy = 3", "policy = 3 is of type int; policy takes a str"),
+    ],
+)
+def test_toml_settings_of_another_type_are_refused(tmp_path, setting, message):
+    """tyro only warns of a TOML value's type: a string "false" was taken as true."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _convert([_toml(tmp_path, setting)])
 
 
 def test_spaces_around_command_line_fqns_are_stripped():

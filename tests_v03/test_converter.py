@@ -3,6 +3,7 @@ converts, the numerics of a converted MoE layer against bf16, the shard plan for
 against 0.3's FSDP placement rule, and its errors."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -199,11 +200,33 @@ def test_preflight_refuses_sizes_below_one_with_the_launchs_message(capsys, over
 
 @pytest.mark.parametrize(
     "settings, message",
-    [(dict(recipe="tensorwise"), "recipe 'tensorwise'"), (dict(policy="fast"), "policy 'fast'")],
+    [
+        (dict(recipe="tensorwise"), "recipe 'tensorwise'"),
+        (dict(policy="fast"), "policy 'fast'"),
+        # A string was taken as true; 1 and None were used as true and false.
+        (dict(emulate="false"), "emulate = 'false' is of type str; emulate takes a bool"),
+        (
+            dict(cache_fp8_weights=1),
+            "cache_fp8_weights = 1 is of type int; cache_fp8_weights takes",
+        ),
+        (
+            dict(fp8_all_gather=None),
+            "fp8_all_gather = None is of type NoneType",
+        ),
+        (dict(policy=3), "policy = 3 is of type int; policy takes a str"),
+    ],
 )
 def test_bad_settings_are_refused(settings, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         Float8MoEConverter.Config(**settings).build()
+
+
+def test_settings_set_after_the_model_config_is_built_are_type_checked():
+    """A config entry may set them on the built model config (tests_v03/entries.py does)."""
+    config = _trainer_config()
+    config.model_spec.model.float8_moe.emulate = "false"
+    with pytest.raises(ValueError, match=re.escape("emulate = 'false' is of type str")):
+        config.model_spec.model.update_from_config(config=config)
 
 
 def test_a_string_of_fqns_is_one_entry():

@@ -22,7 +22,7 @@ from .run_checks import (
     disable_compile_caches_for_tensor_parallelism,
     tokens_per_microbatch,
 )
-from .settings import fqn_entries
+from .settings import check_setting_types, fqn_entries
 from .sharding import ShardPlanRow
 from .swap import is_grouped_experts
 
@@ -94,6 +94,7 @@ class Float8MoEConverter:
                 "float8_moe: the job config has no [float8_moe] section; set "
                 'job.custom_config_module = "torchtitan_fp8_moe.config"'
             )
+        check_setting_types(config)
         self.recipe = recipe_named(config.recipe)  # raises naming the option when unknown
         self.policy = config.policy  # checked by conversion.convert
         training = job_config.training

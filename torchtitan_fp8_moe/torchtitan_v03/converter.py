@@ -25,6 +25,7 @@ from ..conversion import DEFAULT_FQNS, convert, select_expert_modules
 from ..fp8.quantize import FP8_MATRIX_ALIGNMENT
 from ..policy import POLICIES
 from ..run_checks import conversion_message
+from ..settings import check_setting_types
 from .run import Run
 
 
@@ -60,6 +61,7 @@ class Float8MoEConverter(QuantizationConverter):
         """Under FSDP, quantize each expert weight on its shard and all-gather fp8."""
 
     def __init__(self, config: Config):
+        check_setting_types(config)
         if config.recipe != "rowwise":
             raise ValueError(
                 f"float8_moe: recipe {config.recipe!r} is not supported with torchtitan 0.3 "

@@ -18,6 +18,7 @@ from ..run_checks import (
     disable_compile_caches_for_tensor_parallelism,
     tokens_per_microbatch,
 )
+from ..settings import check_setting_types
 
 # torchtitan 0.3's parallelization backend float8_moe is tested with: DTensor parameters over the
 # TP/EP meshes and FSDP2, as in 0.2.2. (0.3's default, "spmd_types", fails on CPU in bf16 too.)
@@ -55,7 +56,9 @@ class Run:
 
     def capture(self, trainer_config, settings) -> None:
         """Read the trainer config (a ``Trainer.Config``) and check it, as 0.2.2's converter
-        does at construction."""
+        does at construction; the settings again, as a config entry may set them after
+        building the model config (``tests_v03/entries.py`` does)."""
+        check_setting_types(settings)
         training, parallelism = trainer_config.training, trainer_config.parallelism
         if parallelism.spmd_backend != TESTED_SPMD_BACKEND:
             raise ValueError(
