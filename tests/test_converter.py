@@ -210,6 +210,35 @@ def test_emulated_path_and_shard_plan_are_logged(caplog):
     assert "layers.3.moe.shared_experts.w2.weight  [256, 512]" in message
 
 
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ([], "fp8 weight cache on, "),
+        (["--compile.enable", "--compile.components=loss"], "fp8 weight cache on, "),
+        (["--compile.enable"], "fp8 weight cache off (torch.compile: compiled blocks quantize"),
+        # The routed experts' shards quantize in FSDP's eager hook; the 2D shared ones gather
+        # bf16 and quantize in the compiled blocks.
+        (
+            ["--compile.enable", "--float8_moe.fp8_all_gather"],
+            "fp8 weight cache on for 6 of 12 fp8 weights (torch.compile: only the shards",
+        ),
+    ],
+    ids=["eager", "loss-compiled", "compiled", "compiled-fp8-all-gather"],
+)
+def test_the_log_says_whether_the_fp8_weight_cache_is_used(caplog, args, expected):
+    """Compiled blocks quantize their weights inline, without the cache: the log said "fp8
+    weight cache on" under compile all the same."""
+    with caplog.at_level(logging.INFO):
+        _convert(
+            [CUSTOM_CONFIG, "--model.converters=float8_moe", "--float8_moe.cache_fp8_weights"]
+            + args
+        )
+    (message,) = [
+        r.getMessage() for r in caplog.records if "float8_moe: converted" in r.getMessage()
+    ]
+    assert expected in message, message
+
+
 def test_shard_plan_rows():
     """8 ranks: routed [8, 512, 256] splits 1 row each; with EP=4 and FSDP 2 over the rest,
     [2, ...] per EP rank; shared [512, 256] 64 rows."""

@@ -197,3 +197,18 @@ def test_cache_under_fsdp_follows_writes_into_the_shard(dist_results):
             assert outcome["matches_uncached"], (rank, write)
         assert results["shard plain data"]["changed"], rank
         assert full_tensor == {"type": "Float8MoEWeight", "values_equal": True}, rank
+
+
+def test_compiled_experts_quantize_inline_without_the_cache():
+    """Under torch.compile the cache holds nothing (a Python-side cache would be baked into the
+    trace), as the converter's log says with compile on (run_checks.describe_weight_cache)."""
+    module = build_expert_module("routed", EXPERTS)
+    for _, expert in expert_modules(module):
+        swap_expert_weights(expert, WeightConfig(emulate=True, cache_fp8=True))
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    x, routing, target = expert_inputs("routed", EXPERTS, 0)
+    (compiled(x.bfloat16().requires_grad_(), *routing).float() * target).sum().backward()
+    weights = [p for p in module.parameters() if isinstance(p, Float8MoEWeight)]
+    assert len(weights) == 3 and all(len(w._cache) == 0 for w in weights)
+    module(x.bfloat16(), *routing)  # eager, the same weights: cached
+    assert all(len(w._cache) == 1 for w in weights)

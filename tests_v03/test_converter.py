@@ -3,6 +3,7 @@ converts, the numerics of a converted MoE layer against bf16, the shard plan for
 against 0.3's FSDP placement rule, and its errors."""
 
 import dataclasses
+import logging
 import re
 
 import pytest
@@ -120,6 +121,34 @@ def test_plan_follows_torchtitan_03_fsdp_placement_without_ep(world_size, shard_
     assert (routed.fsdp_degree, routed.shard_dim) == (world_size, shard_dim)
     shared = plan["layers.1.moe.shared_experts.w1.weight"]
     assert (shared.fsdp_degree, shared.shard_dim) == (world_size, 0)
+
+
+@pytest.mark.parametrize(
+    "compiled, fp8_all_gather, expected",
+    [
+        (False, False, "fp8 weight cache on, "),
+        (True, False, "fp8 weight cache off (torch.compile: compiled blocks quantize"),
+        # The routed experts' shards quantize in FSDP's eager hook; the 2D shared ones gather
+        # bf16 and quantize in the compiled blocks.
+        (True, True, "fp8 weight cache on for 15 of 30 fp8 weights (torch.compile: only"),
+    ],
+    ids=["eager", "compiled", "compiled-fp8-all-gather"],
+)
+def test_the_log_says_whether_the_fp8_weight_cache_is_used(
+    caplog, compiled, fp8_all_gather, expected
+):
+    """Compiled blocks quantize their weights inline, without the cache: the log said "fp8
+    weight cache on" under compile all the same."""
+    config = _trainer_config(data_parallel_shard_degree=-1)
+    config.compile = dataclasses.replace(config.compile, enable=compiled, components=["model"])
+    settings = config.model_spec.model.float8_moe
+    settings.cache_fp8_weights, settings.fp8_all_gather = True, fp8_all_gather
+    with caplog.at_level(logging.INFO):
+        _plan_for(config, 2)
+    (message,) = [
+        r.getMessage() for r in caplog.records if "float8_moe: converted" in r.getMessage()
+    ]
+    assert expected in message, message
 
 
 def test_plan_under_expert_parallelism():

@@ -169,6 +169,7 @@ class Float8MoEConverter:
             self.cache_fp8_weights,
             self.fp8_all_gather,
             self.recipe.description,
+            compiled=self.compiled,
         )
         (logger.warning if warn else logger.info)(message)
 

@@ -131,6 +131,34 @@ def describe_policy(policy: str, path: str, plan: list[ShardPlanRow]) -> str:
     )
 
 
+def describe_weight_cache(plan: list[ShardPlanRow], cache_fp8_weights: bool, compiled: bool) -> str:
+    """What ``cache_fp8_weights`` does in this run. Compiled blocks (``compiled``: the model
+    under torch.compile) quantize their weights inline, bypassing the cache (``weight/tensor.py``,
+    ``_cached_quantizer``); only the shards an fp8 all-gather quantizes, in FSDP's eager hook
+    (plan rows gathering "fp8"), still reuse their fp8 copies."""
+    if not cache_fp8_weights:
+        return "fp8 weight cache off"
+    if not compiled:
+        return "fp8 weight cache on"
+    fp8_rows = [row for row in plan if row.fp8]
+    gathered = sum(row.all_gather == "fp8" for row in fp8_rows)
+    if gathered == 0:
+        return (
+            "fp8 weight cache off (torch.compile: compiled blocks quantize their weights "
+            "inline, without it; it applies to shards gathered with fp8_all_gather only)"
+        )
+    if gathered == len(fp8_rows):
+        return (
+            "fp8 weight cache on (torch.compile: for the shards fp8_all_gather quantizes in "
+            "FSDP's eager all-gather hook, every fp8 weight here)"
+        )
+    return (
+        f"fp8 weight cache on for {gathered} of {len(fp8_rows)} fp8 weights (torch.compile: "
+        "only the shards fp8_all_gather quantizes in FSDP's eager all-gather hook use it; "
+        "compiled blocks quantize the others inline)"
+    )
+
+
 def conversion_message(
     plan: list[ShardPlanRow],
     modules: int,
@@ -141,8 +169,10 @@ def conversion_message(
     cache_fp8_weights: bool,
     fp8_all_gather: bool,
     recipe_description: str = "fp8 rowwise",
+    compiled: bool = False,
 ) -> tuple[bool, str]:
-    """(warn, text) of the converter's log line: how many weights went fp8, and the plan."""
+    """(warn, text) of the converter's log line: how many weights went fp8, and the plan;
+    ``compiled``: the model runs under torch.compile (``describe_weight_cache``)."""
     fp8_rows = [row for row in plan if row.fp8]
     kept = len(plan) - len(fp8_rows)
     text = (
@@ -154,7 +184,7 @@ def conversion_message(
             if kept
             else ""
         )
-        + f", fp8 weight cache {'on' if cache_fp8_weights else 'off'}, "
+        + f", {describe_weight_cache(plan, cache_fp8_weights, compiled)}, "
         f"fp8 all-gather {'on' if fp8_all_gather else 'off'}; FSDP shard plan:\n"
         + format_plan(plan)
     )

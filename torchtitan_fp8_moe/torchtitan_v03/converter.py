@@ -165,5 +165,6 @@ def convert_experts(model: nn.Module, settings: Float8MoEConverter.Config, run: 
         run.tokens,
         settings.cache_fp8_weights,
         settings.fp8_all_gather,
+        compiled=run.compiled,
     )
     (logger.warning if warn else logger.info)(message)
