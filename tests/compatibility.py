@@ -356,13 +356,16 @@ ROWS = [
         ],
     ),
     (
-        '`recipe = "blockwise"` with a tensor-parallel split off the 128 grid (a local shard\'s '
-        "split dim not a multiple of 128)",
+        '`recipe = "blockwise"` with a tensor-parallel or expert-tensor-parallel split off the '
+        "128 grid (a local shard's split dim not a multiple of 128; a model dim off the grid "
+        "that no split divides is planned)",
         REFUSED,
         "the converter (and so the preflight) names the weight, its local shape, the 128 rule "
         "and what to change",
         [
             "test_blockwise_sharded.py::test_tensor_parallel_split_off_the_block_grid_is_refused",
+            "test_blockwise_sharded.py::test_an_expert_tensor_parallel_split_off_the_block_grid_is_refused",
+            "test_blockwise_sharded.py::test_a_model_dim_off_the_block_grid_is_planned_under_ep_and_etp",
             "test_blockwise_sharded.py::test_preflight_checks_the_128_rule",
         ],
     ),
