@@ -5,6 +5,7 @@ blockwise recipe), eager and compiled.
 
     python scripts/bench_presets.py [--presets P,..] [--tokens 16384,..] [--modes eager,compiled]
         [--impls bf16,torchao,float8_moe,float8_moe_auto,float8_moe_measure,float8_moe_blockwise]
+        (a float8_moe impl may name its gemm_backend: float8_moe_auto:torch, float8_moe:fbgemm)
         [--rounds 3]
         [--iters 10] [--label cold]
         [--budget-s S] [--profile] [--out outputs/benchmarks/presets.json] [--append]
@@ -54,10 +55,11 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from bench_moe import _to_float8_moe, _to_torchao, kernel_times, sqnr, write_json
+from bench_moe import _to_torchao, kernel_times, sqnr, write_json
 from profile_summary import family
 
 from torchtitan_fp8_moe.fp8 import recipe_named
+from torchtitan_fp8_moe.fp8.kernels.gemm_backends import GEMM_BACKEND_OPTIONS
 
 BLOCKWISE = recipe_named("blockwise")
 
@@ -182,18 +184,51 @@ def build_layer(preset: Preset, device: torch.device, shrink: int = 1) -> nn.Mod
     return layer
 
 
+def split_impl(impl: str) -> tuple[str, str | None]:
+    """``(implementation, gemm_backend)`` of an ``--impls`` entry: ``float8_moe_auto:fbgemm`` is
+    ``float8_moe_auto`` with ``gemm_backend = "fbgemm"``; without a suffix the package's
+    default."""
+    base, _, gemm_backend = impl.partition(":")
+    return base, gemm_backend or None
+
+
+def impl_order(impl: str) -> tuple[int, str]:
+    base, gemm_backend = split_impl(impl)
+    return IMPLS.index(base), gemm_backend or ""
+
+
+def ordered_impls(rows) -> list[str]:
+    return sorted({r["impl"] for r in rows}, key=impl_order)
+
+
 def convert(layer: nn.Module, impl: str, emulate: bool, tokens: int, mode: str) -> nn.Module:
+    impl, gemm_backend = split_impl(impl)
+    gemm = {"gemm_backend": gemm_backend} if gemm_backend else {}
     if impl == "torchao":
         _to_torchao(layer.experts)  # in place
     elif impl == "float8_moe":
-        _to_float8_moe(layer, emulate=emulate)
+        import torchtitan_fp8_moe
+
+        torchtitan_fp8_moe.convert(
+            layer,
+            emulate=emulate,
+            policy="always",
+            tokens=tokens,
+            compiled=mode == "compiled",
+            **gemm,
+        )
     elif impl in ("float8_moe_auto", "float8_moe_measure"):
         import torchtitan_fp8_moe
 
         policy = impl.removeprefix("float8_moe_")
         start = time.perf_counter()
         plan = torchtitan_fp8_moe.convert(
-            layer, emulate=emulate, policy=policy, tokens=tokens, compiled=mode == "compiled"
+            layer,
+            emulate=emulate,
+            policy=policy,
+            tokens=tokens,
+            compiled=mode == "compiled",
+            **gemm,
         )
         seconds = time.perf_counter() - start  # where the policy times the weights: that time
         print(
@@ -210,6 +245,7 @@ def convert(layer: nn.Module, impl: str, emulate: bool, tokens: int, mode: str) 
             policy="always",
             emulate=emulate,
             compiled=mode == "compiled",
+            **gemm,
         )
     return layer
 
@@ -386,7 +422,7 @@ def run_case(preset, tokens, mode, impls, args, device, clock) -> list[dict]:
         try:
             fp8 = impl.startswith("float8_moe") and args.fp8_align
             align = args.fp8_align if fp8 else args.align
-            if impl == "float8_moe_blockwise":  # its CUDA GEMMs need 128-token groups
+            if split_impl(impl)[0] == "float8_moe_blockwise":  # its GEMMs need 128-token groups
                 align = max(align, BLOCKWISE.token_group_alignment(emulate=False))
             case = Case(base, impl, mode, x, grad, args.dry_run, align)
             case.first_call(clock)
@@ -478,7 +514,7 @@ def signature(preset: Preset) -> tuple:
 
 
 def print_table(rows) -> None:
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    impls = ordered_impls(rows)
     keys = []
     for r in rows:
         key = (r["preset"], r["tokens"], r["mode"], r["label"])
@@ -609,7 +645,7 @@ def plot(rows, path: Path) -> None:
     )
     for ax, mode in zip(axes[:, 0], modes, strict=True):
         keys = labels[mode]
-        compared = [i for i in IMPLS if i != "bf16"]
+        compared = [i for i in ordered_impls(rows) if i != "bf16"]
         for i, impl in enumerate(compared):
             values = []
             for key in keys:
@@ -680,8 +716,17 @@ def main() -> None:
     presets = [PRESET_BY_NAME[n] for n in args.presets.split(",")]
     impls = args.impls.split(",")
     modes = args.modes.split(",")
-    if "bf16" not in impls or not set(impls) <= set(IMPLS):
-        raise SystemExit(f"--impls: a subset of {','.join(IMPLS)} with bf16, the baseline")
+    known = all(
+        split_impl(i)[0] in IMPLS
+        and (split_impl(i)[1] is None or i.startswith("float8_moe"))
+        and split_impl(i)[1] in (None, *GEMM_BACKEND_OPTIONS)
+        for i in impls
+    )
+    if "bf16" not in impls or not known:
+        raise SystemExit(
+            f"--impls: a subset of {','.join(IMPLS)} with bf16, the baseline; a float8_moe one "
+            f"may name its gemm_backend after a colon, one of {','.join(GEMM_BACKEND_OPTIONS)}"
+        )
     if not set(modes) <= set(MODES) or args.rounds < 1 or args.iters < 1:
         raise SystemExit("--modes: eager,compiled; --rounds, --iters: at least 1")
     tokens_list = [int(t) for t in args.tokens.split(",")]

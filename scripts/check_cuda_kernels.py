@@ -69,8 +69,8 @@ def _patch() -> None:
 
     cuda_grouped_mm, cuda_wgrad = rowwise.grouped_mm, rowwise.grouped_wgrad_mm
 
-    def grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate):
-        out = cuda_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate)
+    def grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate, backend="torch"):
+        out = cuda_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate, backend)
         if not emulate:
             rows = int(offs[-1])
             want = _reference_grouped(dequantize(a, a_scale), dequantize(b, b_scale), offs)
@@ -78,8 +78,8 @@ def _patch() -> None:
             _record("gemm", shapes, out[:rows], want[:rows], _sizes(offs))
         return out
 
-    def grouped_wgrad_mm(a, a_scale, grad, grad_scale, offs, out_dtype, emulate):
-        out = cuda_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype, emulate)
+    def grouped_wgrad_mm(a, a_scale, grad, grad_scale, offs, out_dtype, emulate, backend="torch"):
+        out = cuda_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype, emulate, backend)
         if not emulate:
             groups = gemm.token_groups(offs, a.shape[0])
             a_hp = a.float() * gemm.per_token(a_scale.reciprocal(), groups)

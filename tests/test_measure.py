@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torchtitan_fp8_moe.conversion as conversion
 from torchtitan_fp8_moe import Float8MoEWeight, convert
 from torchtitan_fp8_moe.measure import MARGIN, Timing, WeightCase, time_cases
+from torchtitan_fp8_moe.policy import times_weights
 from torchtitan_fp8_moe.weight import WeightConfig
 
 
@@ -81,6 +82,11 @@ def _timed_by(timings_of, calls):
     return time_on_gpu
 
 
+def _cpu_device(policy, estimable=True):
+    """The device convert times the weights on: the CPU, as a GPU would be."""
+    return torch.device("cpu")
+
+
 @pytest.mark.parametrize("policy", ["auto", "measure"])
 def test_convert_decides_each_weight_from_its_timing(monkeypatch, policy):
     """Scout at 16K tokens, one rank: the cost model converts every weight; with timings that
@@ -94,7 +100,7 @@ def test_convert_decides_each_weight_from_its_timing(monkeypatch, policy):
 
     timed = _timed_by(timing_of, calls)
     monkeypatch.setattr(conversion, "time_cases", timed)
-    monkeypatch.setattr(conversion, "_measuring_device", lambda policy: torch.device("cpu"))
+    monkeypatch.setattr(conversion, "_measuring_device", _cpu_device)
     model = scout_meta_model()
     plan = convert(model, emulate=False, tokens=16384, policy=policy)
     [(cases, config, alignment, device)] = calls
@@ -124,7 +130,7 @@ def test_timed_cases_are_the_local_shapes_in_the_all_gathered_dtype(monkeypatch)
     in bf16; TP 3 splits the shared expert unevenly, which keeps it bf16 untimed."""
     calls = []
     monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda case: Timing(1.0, 0.5), calls))
-    monkeypatch.setattr(conversion, "_measuring_device", lambda policy: torch.device("cpu"))
+    monkeypatch.setattr(conversion, "_measuring_device", _cpu_device)
     convert(
         scout_meta_model(),
         emulate=False,
@@ -192,7 +198,7 @@ def test_a_case_that_fails_to_time_is_left_to_the_cost_model(monkeypatch):
     assert not timings[large].timed and not timings[large].fp8_pays
     assert not timings[linear].timed and timings[small].timed
     monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda case: timings[large], []))
-    monkeypatch.setattr(conversion, "_measuring_device", lambda policy: torch.device("cpu"))
+    monkeypatch.setattr(conversion, "_measuring_device", _cpu_device)
     plan = convert(scout_meta_model(), emulate=False, tokens=16384)
     failed = "cuda (auto: timing failed on a rank (see the log), est."
     assert all(row.path.startswith(failed) and not row.timed_on for row in plan)
@@ -204,7 +210,7 @@ def test_weights_fp8_kernels_cannot_multiply_stay_bf16_untimed(monkeypatch):
     ("always" raises, naming the shape); the shared expert's shards still fit and are timed."""
     calls = []
     monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda case: Timing(2.0, 1.0), calls))
-    monkeypatch.setattr(conversion, "_measuring_device", lambda policy: torch.device("cpu"))
+    monkeypatch.setattr(conversion, "_measuring_device", _cpu_device)
     dims = _parallel_dims(1024, tp=1024)
     plan = convert(scout_meta_model(), emulate=False, tokens=16384, parallel_dims=dims)
     unfit = [row for row in plan if not row.fp8]
@@ -219,3 +225,35 @@ def test_weights_fp8_kernels_cannot_multiply_stay_bf16_untimed(monkeypatch):
     assert all(row.fp8 and row.timed_on == "cpu" for row in plan if row not in unfit)
     with pytest.raises(ValueError, match="multiples of 16"):
         convert(scout_meta_model(), emulate=False, parallel_dims=dims, policy="always")
+
+
+def test_blockwise_under_auto_is_timed_not_converted_blind(monkeypatch):
+    """The cost model is rowwise's: blockwise weights are timed where a GPU is there (an H200
+    too), each verdict from its own timing; untimed they convert (test_policy.py)."""
+    calls = []
+    monkeypatch.setattr(conversion, "time_cases", _timed_by(lambda c: Timing(1.0, 2.0), calls))
+    asked = []
+
+    def device(policy, estimable=True):
+        asked.append(estimable)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(conversion, "_measuring_device", device)
+    plan = convert(scout_meta_model(), emulate=False, tokens=16384, recipe="blockwise")
+    assert asked == [False] and calls[0][1].recipe == "blockwise"
+    assert plan and all(not row.fp8 for row in plan), plan
+    assert all("fp8 measured 1.00 ms slower" in row.path for row in plan), plan
+
+
+@pytest.mark.parametrize(
+    ("policy", "gpu", "estimable", "timed"),
+    [
+        ("auto", "NVIDIA H200", True, False),
+        ("auto", "NVIDIA H200", False, True),  # blockwise, or GEMMs on fbgemm's kernels
+        ("auto", "NVIDIA H100 80GB HBM3", True, True),
+        ("measure", "NVIDIA H200", True, True),
+        ("always", "NVIDIA H100 80GB HBM3", False, False),
+    ],
+)
+def test_the_cost_model_estimates_only_what_it_was_fit_on(policy, gpu, estimable, timed):
+    assert times_weights(policy, gpu, estimable) == timed

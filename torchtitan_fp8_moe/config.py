@@ -30,6 +30,16 @@ class Float8MoE:
     "measure": time them on an H200 too. "always": convert every weight `fqns` selects. The
     emulated path (no CUDA, or emulate = true) converts every selected weight under any."""
 
+    gemm_backend: str = "auto"
+    """Which kernels run the fp8 GEMMs on CUDA (torchtitan_fp8_moe/fp8/kernels/gemm_backends.py).
+    "auto": per weight and GEMM (forward, input gradient, weight gradient), the fastest of the
+    installed backends, timed on the GPU at start-up at the run's per-rank shapes (each timed
+    shape is logged, the shard plan names each weight's choice); torch's kernels alone where no
+    other backend is installed. "torch": torch's `_scaled_grouped_mm` / `_scaled_mm`. "fbgemm":
+    fbgemm-gpu-genai's CUTLASS kernels (`pip install fbgemm-gpu-genai==1.6.0` for torch 2.11,
+    1.8.0 for torch 2.13), torch's for the grouped weight gradient, which fbgemm lacks; an error
+    where it is not installed. Rowwise recipe only (blockwise: "auto" or "torch")."""
+
     emulate: bool = False
     """Run fp8 numerics with an emulated matmul (quantize, dequantize, fp32 matmul) instead of
     fp8 kernels. Always on when no CUDA device is present; for GPUs without fp8 (before sm89)

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from . import gemm_choice
 from .compile_cache import key_compile_caches
+from .fp8.kernels.gemm_backends import GemmChoice
 from .fp8.recipes import Recipe
 from .measure import Timing, WeightCase, time_cases, timing_device
 from .policy import POLICIES, fp8_gain_ms, times_weights
@@ -60,6 +62,7 @@ def convert(
     compiled: bool = False,
     align_token_groups: bool = True,
     time_weights: bool = True,
+    gemm_backend: str = "auto",
 ) -> list[ShardPlanRow]:
     """Convert ``model``'s expert modules in place and return the shard plan of their weights.
 
@@ -81,6 +84,9 @@ def convert(
     this machine's). ``align_token_groups``: on
     CUDA, set torchtitan 0.2.2's token-group alignment for fp8 GEMMs (torchtitan 0.3 pads the
     groups in its token dispatcher instead: ``torchtitan_v03/converter.py`` sets it up).
+    ``gemm_backend``: which kernels run each fp8 GEMM on CUDA, "torch", "fbgemm" or "auto" (the
+    fastest on this GPU at ``tokens`` tokens; ``gemm_choice.py``); the plan row names them where
+    another than torch's could run. The emulated path and ``time_weights=False`` choose none.
     """
     if policy not in POLICIES:
         raise ValueError(f"float8_moe: policy {policy!r} is not one of {list(POLICIES)}")
@@ -89,6 +95,12 @@ def convert(
         emulate = not (torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda")))
     config = WeightConfig(recipe, emulate, cache_fp8_weights, fp8_all_gather)
     fp8_recipe = config.fp8_recipe
+    gemm_choice.check_option(gemm_backend, fp8_recipe)
+    alignment = fp8_recipe.token_group_alignment(emulate)
+    choosing_gemms = not emulate and time_weights
+    gemm_device = _gemm_timing_device() if choosing_gemms else None
+    # The plan names the GEMMs' backends where another than torch's could run them.
+    names_gemms = choosing_gemms and gemm_choice.has_choices(gemm_backend, fp8_recipe)
     path = path or ("emulated" if emulate else "cuda")
     deciding = policy != "always" and not emulate
     if deciding and not tokens:
@@ -104,7 +116,8 @@ def convert(
     weights = []  # (module, weight name, plan row, what the policy times or estimates)
     for module_fqn, module in targets:
         kind = kind_of(module)
-        if deciding:  # the rows each weight multiplies per micro-batch
+        rows = None  # the rows each weight multiplies per micro-batch
+        if tokens:
             rows = tokens * _top_k(modules, module_fqn) if kind == "routed" else tokens
         names = expert_weight_names(module)
         side_by_side = same_input_weights(names)
@@ -118,25 +131,31 @@ def convert(
                 fqn, tuple(param.shape), kind, parallel_dims, dtype.itemsize, path, not deciding
             )
             row = with_all_gather(row, all_gather_dtype, fp8_all_gather, fp8_recipe)
+            gemm = config.gemm
+            if choosing_gemms and _fp8_fits(row, fp8_recipe):
+                gemm = gemm_choice.choose(
+                    gemm_backend, fp8_recipe, row.local_shape, rows, alignment, gemm_device
+                )
             case = None
             if deciding:
                 # w1 and w3 share their input's fp8 casts: timed together
                 together = len(side_by_side) if name in side_by_side else 1
                 dtype_name = str(dtype).removeprefix("torch.")
                 autocast = len(row.local_shape) == 2 and _trainer_autocasts(parallel_dims)
-                case = WeightCase(rows, row.local_shape, dtype_name, together, autocast)
-            weights.append((module, name, row, case))
+                case = WeightCase(rows, row.local_shape, dtype_name, together, autocast, gemm)
+            weights.append((module, name, row, case, gemm))
     timings = {}
-    if deciding and time_weights and fp8_recipe.has_cost_model:
-        device = timing_device(_measuring_device(policy))
+    if deciding and time_weights:
+        # The cost model is rowwise's on torch's GEMMs: other recipes and backends are timed.
+        estimable = fp8_recipe.has_cost_model and not names_gemms
+        device = timing_device(_measuring_device(policy, estimable))
         if device is not None:
-            cases = {case for _, _, row, case in weights if _fp8_fits(row, fp8_recipe)}
-            alignment = fp8_recipe.token_group_alignment(emulate)
+            cases = {case for _, _, row, case, _ in weights if _fp8_fits(row, fp8_recipe)}
             timings = time_cases(cases, config, alignment, device)
             gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     plan = []
-    chosen: dict[nn.Module, set[str]] = {}
-    for module, name, row, case in weights:
+    chosen: dict[nn.Module, dict[str, GemmChoice]] = {}
+    for module, name, row, case, gemm in weights:
         if deciding:
             timing = timings.get(case)
             row = _decide(row, case, compiled, fp8_recipe, policy, timing)
@@ -144,11 +163,12 @@ def convert(
                 row = replace(row, timed_on=gpu)
         if row.fp8:
             fp8_recipe.check_local_shape(row.fqn, row.local_shape, row.tp_dim, emulate)
-            chosen.setdefault(module, set()).add(name)
+            chosen.setdefault(module, {})[name] = gemm
+            if names_gemms:
+                row = replace(row, path=f"{row.path}; {gemm.describe()}")
         plan.append(row)
-    for module, names in chosen.items():
-        swap_expert_weights(module, config, names)
-    alignment = fp8_recipe.token_group_alignment(emulate)
+    for module, gemms in chosen.items():
+        swap_expert_weights(module, config, set(gemms), gemms)
     if align_token_groups and alignment and torch.cuda.is_available() and any(r.fp8 for r in plan):
         # torchtitan's MoE pads each expert's token group to this many rows, as the recipe's
         # CUDA kernels need.
@@ -205,17 +225,17 @@ def _decide(
         return replace(
             row, path=f"bf16 ({policy}: TP splits it unevenly, fp8 needs equal shares)", fp8=False
         )
+    if timing is not None and timing.timed:
+        if timing.fp8_pays:
+            return replace(row, path=f"{row.path} ({policy}: {timing.describe(case.weights)})")
+        return replace(row, path=f"bf16 ({policy}: fp8 {timing.describe(case.weights)})", fp8=False)
     if not recipe.has_cost_model:
-        # The user chose the recipe for its numerics; the policy does not weigh its speed.
+        # Not timed (no GPU): the user chose the recipe for its numerics, so it converts.
         converted = f"{row.path} ({policy}: no cost model for {recipe.name}, converted)"
         return replace(row, path=converted)
     if not _fp8_fits(row, recipe):
         unfit = f"fp8 kernels cannot multiply its local shape {list(row.local_shape)}"
         return replace(row, path=f"bf16 ({policy}: {unfit})", fp8=False)
-    if timing is not None and timing.timed:
-        if timing.fp8_pays:
-            return replace(row, path=f"{row.path} ({policy}: {timing.describe(case.weights)})")
-        return replace(row, path=f"bf16 ({policy}: fp8 {timing.describe(case.weights)})", fp8=False)
     estimated = "est." if timing is None else "timing failed on a rank (see the log), est."
     share = 1 / row.fsdp_degree if row.all_gather == "fp8" else 1.0
     gain = fp8_gain_ms(case.rows, row.local_shape, compiled, share)
@@ -244,13 +264,20 @@ def _trainer_autocasts(parallel_dims: "ParallelDims | None") -> bool:
     return not (parallel_dims.fsdp_enabled or parallel_dims.tp_enabled or parallel_dims.pp_enabled)
 
 
-def _measuring_device(policy: str) -> torch.device | None:
+def _gemm_timing_device() -> torch.device | None:
+    """The GPU gemm_backend "auto" times the GEMMs on, or None without CUDA."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def _measuring_device(policy: str, estimable: bool = True) -> torch.device | None:
     """The GPU a deciding ``policy`` times the weights on (``measure.py``), or None where it
-    estimates them (``policy.py``)."""
+    estimates them (``policy.py``; ``estimable``: the cost model covers their recipe and GEMM
+    backends)."""
     if not torch.cuda.is_available():
         return None
     device = torch.device("cuda", torch.cuda.current_device())
-    return device if times_weights(policy, torch.cuda.get_device_name(device)) else None
+    gpu = torch.cuda.get_device_name(device)
+    return device if times_weights(policy, gpu, estimable) else None
 
 
 def select_expert_modules(

@@ -13,6 +13,7 @@ from .config import Float8MoE
 from .conversion import convert, select_expert_modules
 from .fp8.recipes import recipe_named
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
+from .gemm_choice import check_option as check_gemm_backend
 from .run_checks import (
     check_cpu_context_parallelism,
     check_data_parallelism,
@@ -97,6 +98,8 @@ class Float8MoEConverter:
         check_setting_types(config)
         self.recipe = recipe_named(config.recipe)  # raises naming the option when unknown
         self.policy = config.policy  # checked by conversion.convert
+        self.gemm_backend = config.gemm_backend
+        check_gemm_backend(self.gemm_backend, self.recipe)
         training = job_config.training
         self.tokens = tokens_per_microbatch(
             training.local_batch_size,
@@ -158,6 +161,7 @@ class Float8MoEConverter:
             tokens=self.tokens,
             compiled=self.compiled,
             time_weights=plan_target is None,  # preflight plans another machine's GPUs
+            gemm_backend=self.gemm_backend,
         )
         warn, message = conversion_message(
             self.shard_plan,
@@ -169,6 +173,7 @@ class Float8MoEConverter:
             self.cache_fp8_weights,
             self.fp8_all_gather,
             self.recipe.description,
+            self.gemm_backend,
             compiled=self.compiled,
         )
         (logger.warning if warn else logger.info)(message)

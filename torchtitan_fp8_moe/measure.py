@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .fp8.kernels.gemm_backends import GemmChoice
 from .weight import Float8MoEWeight, WeightConfig
 
 logger = logging.getLogger(__name__)
@@ -46,14 +47,16 @@ MAX_CALLS = 50
 class WeightCase:
     """What is timed for a weight: the rows it multiplies per micro-batch, its local shape
     (``[E, N, K]`` grouped, ``[N, K]`` a linear's), the dtype its matmul reads it in, how
-    many weights of that shape multiply the same rows side by side (w1 and w3: 2), and whether
-    the trainer runs a linear under bf16 autocast (torchtitan does without FSDP, TP and PP)."""
+    many weights of that shape multiply the same rows side by side (w1 and w3: 2), whether
+    the trainer runs a linear under bf16 autocast (torchtitan does without FSDP, TP and PP),
+    and the backends of its fp8 GEMMs (``gemm_choice.py``)."""
 
     rows: int
     shape: tuple[int, ...]
     dtype: str  # a torch dtype's name: cases sort and pickle alike on every rank
     weights: int = 1
     autocast: bool = False
+    gemm: GemmChoice = GemmChoice()
 
 
 @dataclass(frozen=True)
@@ -136,9 +139,10 @@ def _across_ranks() -> bool:
 
 def _check_same_cases_on_every_rank(cases: list[WeightCase]) -> None:
     """Averaging needs the same cases in the same order everywhere (each rank converts the
-    whole model); a rank that differs would leave the others waiting in the all-reduce."""
+    whole model); a rank that differs would leave the others waiting in the all-reduce. Their
+    GEMM backends may differ (each rank chooses alone, ``gemm_choice.py``)."""
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, cases)
+    dist.all_gather_object(every, [replace(case, gemm=GemmChoice()) for case in cases])
     differing = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
     if differing:
         raise ValueError(
@@ -161,7 +165,8 @@ def _time_case(
 ) -> list[float]:
     dtype = getattr(torch, case.dtype)
     n, k = case.shape[-2:]
-    config = replace(config, shares_input=case.weights > 1)  # as the converter marks them
+    # as the converter marks them
+    config = replace(config, shares_input=case.weights > 1, gemm=case.gemm)
 
     def random(*shape, dtype=torch.bfloat16):
         return torch.randn(shape, dtype=dtype, device=device, generator=generator)

@@ -17,7 +17,9 @@ cases the layer's estimate has the measured sign but for two: Scout at 8K tokens
 estimated slower: the policy keeps its routed experts bf16) and GPT-OSS 120B at 32K (1.00x).
 Calibrated on an H200 with torch 2.11, at 8K-32K tokens per rank (beyond, the terms are
 extrapolated linearly). On any other GPU the auto policy times each weight there instead
-(``measure.py``); ``policy = "measure"`` does that on an H200 too, ``"always"`` forces fp8.
+(``measure.py``), and so it does on an H200 for the blockwise recipe and for GEMMs on another
+backend than torch's (``gemm_backend``), which the fit does not cover; ``policy = "measure"``
+times every weight, ``"always"`` forces fp8.
 """
 
 from dataclasses import dataclass
@@ -44,10 +46,13 @@ CALIBRATION = (
 )
 
 
-def times_weights(policy: str, gpu_name: str) -> bool:
+def times_weights(policy: str, gpu_name: str, estimable: bool = True) -> bool:
     """Whether ``policy`` times the weights on the GPU named ``gpu_name`` rather than
-    estimate them (``measure.py``)."""
-    return policy == "measure" or (policy == "auto" and CALIBRATED_GPU not in gpu_name)
+    estimate them (``measure.py``). ``estimable``: the cost model covers the weights' recipe
+    and GEMM backends (the rowwise recipe on torch's GEMMs, which it was fit on)."""
+    if policy == "measure":
+        return True
+    return policy == "auto" and (not estimable or CALIBRATED_GPU not in gpu_name)
 
 
 # scripts/fit_policy.py on docs/benchmarks/presets/h200.json (torch 2.11, H200, 2026-12-03).

@@ -169,6 +169,7 @@ def conversion_message(
     cache_fp8_weights: bool,
     fp8_all_gather: bool,
     recipe_description: str = "fp8 rowwise",
+    gemm_backend: str = "torch",
     compiled: bool = False,
 ) -> tuple[bool, str]:
     """(warn, text) of the converter's log line: how many weights went fp8, and the plan;
@@ -184,7 +185,8 @@ def conversion_message(
             if kept
             else ""
         )
-        + f", {describe_weight_cache(plan, cache_fp8_weights, compiled)}, "
+        + f", GEMM backend {gemm_backend}, "
+        f"{describe_weight_cache(plan, cache_fp8_weights, compiled)}, "
         f"fp8 all-gather {'on' if fp8_all_gather else 'off'}; FSDP shard plan:\n"
         + format_plan(plan)
     )

@@ -13,11 +13,13 @@ the same shape converts like torchtitan's:
 """
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .fp8.kernels.gemm_backends import GemmChoice
 from .tensor_parallel import Float8MoELinear
 from .weight import Float8MoEWeight, WeightConfig
 
@@ -167,13 +169,16 @@ def same_input_weights(names: list[str]) -> set[str]:
 
 
 def swap_expert_weights(
-    module: nn.Module, config: WeightConfig, names: set[str] | None = None
+    module: nn.Module,
+    config: WeightConfig,
+    names: set[str] | None = None,
+    gemms: Mapping[str, GemmChoice] | None = None,
 ) -> list[tuple[str, nn.Parameter]]:
     """Wrap the expert weights of an expert module in place (other parameters such as biases
     stay plain), each carrying ``config``, with ``shares_input`` (if ``config`` has it) only
     where both the gate and the up projection are converted (``same_input_weights``, by name:
     w1 and w3); returns (name, new parameter) with ``expert_weight_names``' names. ``names``:
-    only these of them."""
+    only these of them. ``gemms``: the GEMM backends of each name, where not ``config``'s."""
     owners = []  # (name, the module holding the parameter, its attribute there)
     for name in expert_weight_names(module):
         prefix, _, attr = name.rpartition(".")
@@ -196,10 +201,10 @@ def swap_expert_weights(
         param = getattr(owner, attr)
         if isinstance(param, Float8MoEWeight):
             raise ValueError(f"float8_moe: {name} of {type(module).__name__} is already converted")
+        shares_input = config.shares_input and name in partners
+        gemm = (gemms or {}).get(name, config.gemm)
         new_param = nn.Parameter(
-            Float8MoEWeight(
-                param.data, replace(config, shares_input=config.shares_input and name in partners)
-            ),
+            Float8MoEWeight(param.data, replace(config, shares_input=shares_input, gemm=gemm)),
             requires_grad=param.requires_grad,
         )
         setattr(owner, attr, new_param)

@@ -14,6 +14,7 @@ A 3D x 3D batched matmul is the same thing with one group per batch entry, and a
 import torch
 
 from . import cast_reuse, host_offsets
+from .kernels.gemm_backends import TORCH_GEMMS, GemmChoice
 from .recipes import Recipe
 from .weight_cache import WeightPayloads, WeightQuantizer
 
@@ -39,8 +40,11 @@ def transposed_quantizer(quantize, state):
 
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, offs, recipe: Recipe, emulate: bool, shared_a, cached, *b_payloads):
+    def forward(
+        ctx, a, b, offs, recipe: Recipe, emulate: bool, shared_a, cached, gemm, *b_payloads
+    ):
         """``shared_a``: another GEMM multiplies ``a`` too, and shares its casts (w1 and w3).
+        ``gemm``: the ``GemmChoice`` naming each GEMM's backend.
         ``b_payloads``: the four tensors of ``WeightPayloads``, or none to quantize b (through
         ``cached`` if given); with them b carries only its shape and dtype."""
         quantize = recipe.quantizers(emulate)
@@ -57,10 +61,12 @@ class _Fp8GroupedMM(torch.autograd.Function):
             b_fp8, b_scale, b_state = quantize_weight(b, "forward", quantize.weight, cached)
             ctx.save_for_backward(a, offs, b, b_state)
         ctx.recipe, ctx.emulate, ctx.cached, ctx.b_dtype = recipe, emulate, cached, b.dtype
-        ctx.shared_a = shared_a
+        ctx.shared_a, ctx.gemm = shared_a, gemm
         ctx.b_columns = b.shape[0] * b.shape[-1]  # G * N: b's fp8 copy is K * this bytes
         ctx.payload_count = len(b_payloads)
-        return recipe.grouped_mm(a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, emulate)
+        return recipe.grouped_mm(
+            a_fp8, a_scale, b_fp8, b_scale, offs, a.dtype, emulate, gemm.forward
+        )
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -75,8 +81,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
         def weight_grad():
             pair = quantize.tokens_per_group_pair if ctx.shared_a else quantize.per_group_pair
             a_fp8, a_scales, grad_fp8, grad_scales = pair(a, grad_out, offs)
+            backend = ctx.gemm.weight_grad
             return recipe.grouped_wgrad_mm(
-                a_fp8, a_scales, grad_fp8, grad_scales, offs, ctx.b_dtype, emulate
+                a_fp8, a_scales, grad_fp8, grad_scales, offs, ctx.b_dtype, emulate, backend
             )
 
         weight_first = ctx.needs_input_grad[1] and _weight_grad_first(ctx, a, offs, quantize)
@@ -86,7 +93,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             grad_a = _input_grad(ctx, grad_out, a.dtype, offs, weight_saved, quantize)
         if ctx.needs_input_grad[1] and not weight_first:
             grad_b = weight_grad()
-        return grad_a, grad_b, None, None, None, None, None, *([None] * ctx.payload_count)
+        return grad_a, grad_b, None, None, None, None, None, None, *([None] * ctx.payload_count)
 
 
 def _weight_grad_first(ctx, a, offs, quantize) -> bool:
@@ -116,7 +123,9 @@ def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Ten
         b, b_state = weight_saved
         transposed = transposed_quantizer(quantize, b_state)
         b_t_fp8, b_t_scale = quantize_weight(b, "input_grad", transposed, ctx.cached)
-    return ctx.recipe.grouped_mm(grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, dtype, ctx.emulate)
+    return ctx.recipe.grouped_mm(
+        grad_fp8, grad_scale, b_t_fp8, b_t_scale, offs, dtype, ctx.emulate, ctx.gemm.input_grad
+    )
 
 
 def fp8_grouped_mm(
@@ -127,15 +136,17 @@ def fp8_grouped_mm(
     emulate: bool,
     cached: WeightSource = None,
     shared_a: bool = True,
+    gemm: GemmChoice = TORCH_GEMMS,
 ) -> torch.Tensor:
-    """``torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)`` in fp8 by ``recipe``. ``cached``
+    """``torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)`` in fp8 by ``recipe``, each GEMM on
+    the backend ``gemm`` names (``kernels/gemm_backends.py``). ``cached``
     gives b's fp8 copies instead of quantizing b: from a cache while b is unchanged
     (``weight_cache.py``), or the payloads an fp8 all-gather brought (``gathered.py``).
     ``shared_a``: another GEMM may multiply the same ``a`` (w1 and w3), which then shares its
     fp8 casts (``WeightConfig.shares_input``)."""
     if isinstance(cached, WeightPayloads):
-        return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, shared_a, None, *cached)
-    return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, shared_a, cached)
+        return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, shared_a, None, gemm, *cached)
+    return _Fp8GroupedMM.apply(a, b, offs, recipe, emulate, shared_a, cached, gemm)
 
 
 def _made_on_host(offs: torch.Tensor, values, recipe: Recipe, emulate: bool) -> None:
@@ -152,6 +163,7 @@ def fp8_batched_mm(
     emulate: bool,
     cached: WeightSource = None,
     shared_a: bool = True,
+    gemm: GemmChoice = TORCH_GEMMS,
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8."""
     groups, tokens, _ = a.shape
@@ -169,7 +181,7 @@ def fp8_batched_mm(
     offs = torch.arange(1, groups + 1, device=a.device, dtype=torch.int32) * tokens
     _made_on_host(offs, range(tokens, (groups + 1) * tokens, tokens), recipe, emulate)
     a_2d = a.reshape(groups * tokens, -1)
-    out = fp8_grouped_mm(a_2d, b, offs, recipe, emulate, cached, shared_a=shared_a)
+    out = fp8_grouped_mm(a_2d, b, offs, recipe, emulate, cached, shared_a, gemm)
     return out.view(groups, tokens, -1)
 
 
@@ -180,10 +192,11 @@ def fp8_matmul(
     emulate: bool,
     cached: WeightSource = None,
     shared_a: bool = True,
+    gemm: GemmChoice = TORCH_GEMMS,
 ) -> torch.Tensor:
     """``a [..., K] @ b [K, N]`` in fp8 (a linear layer's ``x @ W^T`` has b = W^T)."""
     a_2d = a.reshape(-1, a.shape[-1])
     offs = torch.full((1,), a_2d.shape[0], device=a.device, dtype=torch.int32)
     _made_on_host(offs, [a_2d.shape[0]], recipe, emulate)
-    out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, recipe, emulate, cached, shared_a=shared_a)
+    out = fp8_grouped_mm(a_2d, b.unsqueeze(0), offs, recipe, emulate, cached, shared_a, gemm)
     return out.view(*a.shape[:-1], b.shape[-1])

@@ -23,6 +23,8 @@ from torchtitan.tools.logging import logger
 
 from ..conversion import DEFAULT_FQNS, convert, select_expert_modules
 from ..fp8.quantize import FP8_MATRIX_ALIGNMENT
+from ..fp8.recipes import recipe_named
+from ..gemm_choice import check_option as check_gemm_backend
 from ..policy import POLICIES
 from ..run_checks import conversion_message
 from ..settings import check_setting_types
@@ -51,6 +53,10 @@ class Float8MoEConverter(QuantizationConverter):
         shapes and tokens, estimated on an H200 (policy.py), timed at start-up on other GPUs
         (measure.py); "measure": time them on an H200 too; "always": convert every one."""
 
+        gemm_backend: str = "auto"
+        """The fp8 GEMMs' kernels on CUDA: "auto" (the fastest installed, timed at start-up),
+        "torch" or "fbgemm" (fbgemm-gpu-genai)."""
+
         emulate: bool = False
         """Emulated fp8 (quantize, dequantize, fp32 matmul); always on without CUDA."""
 
@@ -70,6 +76,7 @@ class Float8MoEConverter(QuantizationConverter):
             )
         if config.policy not in POLICIES:
             raise ValueError(f"float8_moe: policy {config.policy!r} is not one of {list(POLICIES)}")
+        check_gemm_backend(config.gemm_backend, recipe_named(config.recipe))
         self.config = config
 
     def convert(self, model_config):
@@ -154,6 +161,7 @@ def convert_experts(model: nn.Module, settings: Float8MoEConverter.Config, run: 
         compiled=run.compiled,
         align_token_groups=False,  # the token dispatcher pads them (Float8MoEConverter.convert)
         time_weights=run.launching,
+        gemm_backend=settings.gemm_backend,
     )
     model.float8_moe_shard_plan = plan
     warn, message = conversion_message(
@@ -166,5 +174,6 @@ def convert_experts(model: nn.Module, settings: Float8MoEConverter.Config, run: 
         settings.cache_fp8_weights,
         settings.fp8_all_gather,
         compiled=run.compiled,
+        gemm_backend=settings.gemm_backend,
     )
     (logger.warning if warn else logger.info)(message)

@@ -3,6 +3,7 @@ metadata (so compiled graphs guard on it), handed on to every weight derived fro
 
 from dataclasses import dataclass
 
+from ..fp8.kernels.gemm_backends import GemmChoice
 from ..fp8.recipes import Recipe, recipe_named
 
 
@@ -24,6 +25,9 @@ class WeightConfig:
     # they are custom ops that cost host time per call (fp8/triton_quantize.py). The converter
     # turns it off for weights without such a partner by name (w2; swap.same_input_weights).
     shares_input: bool = True
+    # The backend of each of its fp8 GEMMs (fp8/kernels/gemm_backends.py), chosen by the
+    # converter from ``[float8_moe] gemm_backend`` (gemm_choice.py).
+    gemm: GemmChoice = GemmChoice()
 
     def __post_init__(self):
         recipe_named(self.recipe)  # an unknown recipe fails here, naming the option

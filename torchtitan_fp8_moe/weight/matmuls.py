@@ -25,9 +25,17 @@ def _grouped_mm(a, weight, offs=None, bias=None, out_dtype=None):
 
 def _fp8_args(weight, source) -> dict:
     """The fp8 matmuls' arguments after the operands: the weight's recipe and path, where its
-    fp8 copies come from (``source``), whether another weight shares its input."""
+    fp8 copies come from (``source``), whether another weight shares its input, the backends of
+    its GEMMs."""
     recipe, emulate = weight.fp8_path()
-    return dict(recipe=recipe, emulate=emulate, cached=source, shared_a=weight.config.shares_input)
+    config = weight.config
+    return dict(
+        recipe=recipe,
+        emulate=emulate,
+        cached=source,
+        shared_a=config.shares_input,
+        gemm=config.gemm,
+    )
 
 
 def _unsupported_form(name: str, a, weight, supported: str):

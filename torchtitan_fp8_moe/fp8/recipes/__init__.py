@@ -5,7 +5,8 @@ A recipe owns, for the forward, input-gradient and weight-gradient GEMMs of ``b 
   (``quantizers``: a namespace of ``rows``, ``weight``, ``weight_transposed``,
   ``per_group_pair``, and ``tokens`` and ``tokens_per_group_pair``, the casts of tokens that
   two GEMMs share (w1 and w3), looked up at call time so that tests and checks can wrap them);
-- the scaled GEMM calls (``grouped_mm``, ``grouped_wgrad_mm``);
+- the scaled GEMM calls (``grouped_mm``, ``grouped_wgrad_mm``) and the GEMM backends they can
+  run on (``gemm_backend_names``);
 - the FSDP all-gather payload layout (``payload_scale_shapes``) and when a shard cannot
   quantize alone (``all_gather_fallback``);
 - the shape rules of each rank's local weight (``check_local_shape``, which the shard plan and
@@ -31,6 +32,8 @@ class Recipe:
     has_cost_model: bool = False
     # Whether its CUDA GEMMs read the token groups' bounds on the host (host_offsets.py).
     reads_offsets_on_host: bool = False
+    # The GEMM backends its CUDA GEMMs can run on (kernels/gemm_backends.py; "torch": its own).
+    gemm_backend_names: tuple[str, ...] = ("torch",)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -38,12 +41,15 @@ class Recipe:
     def quantizers(self, emulate: bool) -> ModuleType:
         raise NotImplementedError
 
-    def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate: bool) -> torch.Tensor:
-        """``a [M, K]`` times ``b [G, K, N]`` per group (``offs``: group end offsets)."""
+    def grouped_mm(
+        self, a, a_scale, b, b_scale, offs, out_dtype, emulate: bool, backend: str = "torch"
+    ) -> torch.Tensor:
+        """``a [M, K]`` times ``b [G, K, N]`` per group (``offs``: group end offsets); on CUDA
+        by the GEMM backend ``backend`` where the recipe has several (``gemm_backends``)."""
         raise NotImplementedError
 
     def grouped_wgrad_mm(
-        self, a, a_scale, grad, grad_scale, offs, out_dtype, emulate: bool
+        self, a, a_scale, grad, grad_scale, offs, out_dtype, emulate: bool, backend: str = "torch"
     ) -> torch.Tensor:
         """Per group ``a_g^T @ grad_g`` -> ``[G, K, N]``."""
         raise NotImplementedError

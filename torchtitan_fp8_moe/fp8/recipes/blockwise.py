@@ -40,7 +40,7 @@ class BlockwiseRecipe(Recipe):
 
         return blockwise_triton_quantize
 
-    def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate):
+    def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate, backend="torch"):
         """``a [M, K]`` (scales ``[M, ceil(K/128)]``) times ``b [G, K, N]`` (scales
         ``[G, ceil(K/128), ceil(N/128)]``) per group."""
         if not emulate:
@@ -49,7 +49,9 @@ class BlockwiseRecipe(Recipe):
         b_hp = dequantize(b, expand_blocks(b_scale, *b.shape[-2:]))
         return grouped_mm_fp32(a_hp, b_hp, offs).to(out_dtype)
 
-    def grouped_wgrad_mm(self, a, a_scale, grad, grad_scale, offs, out_dtype, emulate):
+    def grouped_wgrad_mm(
+        self, a, a_scale, grad, grad_scale, offs, out_dtype, emulate, backend="torch"
+    ):
         """Per group ``a_g^T @ grad_g`` of ``a [M, K]``, ``grad [M, N]`` with scales per
         128-token block of each group (``blockwise_quantize.token_blocks``)."""
         if not emulate:

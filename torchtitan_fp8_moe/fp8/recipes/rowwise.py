@@ -5,8 +5,9 @@
     grad_b[g] [K, N] = a_g^T @ grad_g             scales: per (g, k) and (g, n) over g's tokens
 
 Quantizers: ``fp8/torch_quantize.py`` (emulated) and ``fp8/triton_quantize.py`` (CUDA). GEMMs:
-``torch._scaled_grouped_mm`` / ``torch._scaled_mm`` on CUDA, the exact emulation of
-``fp8/gemm.py`` elsewhere.
+on CUDA those of ``fp8/kernels/gemm_backends.py`` (torch's ``_scaled_grouped_mm`` /
+``_scaled_mm``, or fbgemm-gpu-genai's, as each weight's ``GemmChoice`` says), the exact
+emulation of ``fp8/gemm.py`` elsewhere.
 """
 
 from types import ModuleType
@@ -14,7 +15,8 @@ from types import ModuleType
 import torch
 
 from .. import torch_quantize
-from ..gemm import column_major, grouped_mm_fp32, grouped_wgrad_mm_fp32, per_token, token_groups
+from ..gemm import grouped_mm_fp32, grouped_wgrad_mm_fp32, per_token, token_groups
+from ..kernels import gemm_backends
 from ..quantize import FP8_MATRIX_ALIGNMENT, dequantize
 from . import Recipe
 
@@ -23,6 +25,7 @@ class RowwiseRecipe(Recipe):
     name = "rowwise"
     description = "fp8 rowwise"
     has_cost_model = True
+    gemm_backend_names = gemm_backends.BACKENDS
 
     def quantizers(self, emulate: bool) -> ModuleType:
         if emulate:
@@ -31,11 +34,13 @@ class RowwiseRecipe(Recipe):
 
         return triton_quantize
 
-    def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate):
-        return grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate)
+    def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate, backend="torch"):
+        return grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate, backend)
 
-    def grouped_wgrad_mm(self, a, a_scale, grad, grad_scale, offs, out_dtype, emulate):
-        return grouped_wgrad_mm(a, a_scale, grad, grad_scale, offs, out_dtype, emulate)
+    def grouped_wgrad_mm(
+        self, a, a_scale, grad, grad_scale, offs, out_dtype, emulate, backend="torch"
+    ):
+        return grouped_wgrad_mm(a, a_scale, grad, grad_scale, offs, out_dtype, emulate, backend)
 
     def payload_scale_shapes(self, out_features: int, in_features: int):
         return (1, out_features), (1, in_features)
@@ -77,21 +82,20 @@ def grouped_mm(
     offs: torch.Tensor,
     out_dtype: torch.dtype,
     emulate: bool,
+    backend: str = "torch",
 ) -> torch.Tensor:
-    """``a [M, K]`` (scales ``[M, 1]``) times ``b [G, K, N]`` (scales ``[G, 1, N]``) per group."""
+    """``a [M, K]`` (scales ``[M, 1]``) times ``b [G, K, N]`` (scales ``[G, 1, N]``) per group,
+    on CUDA by the GEMM backend named ``backend`` (``kernels/gemm_backends.py``)."""
     if emulate:
         out = grouped_mm_fp32(dequantize(a, a_scale), dequantize(b, b_scale), offs)
         return out.to(out_dtype)
+    kernels = gemm_backends.kernel(backend)
     if b.shape[0] == 1:
-        # One group is a plain GEMM; _scaled_mm is faster than the grouped kernel for it.
-        out = _scaled_gemm(a, column_major(b[0]), a_scale.reciprocal(), b_scale[0].reciprocal())
+        # One group is a plain GEMM, faster than the grouped kernel.
+        out = kernels.dense(a, a_scale.reciprocal(), b[0], b_scale[0].reciprocal())
     else:
-        out = _scaled_gemm(
-            a,
-            column_major(b),
-            a_scale.reciprocal().squeeze(-1),
-            b_scale.reciprocal().squeeze(-2),
-            offs,
+        out = kernels.m_grouped(
+            a, a_scale.reciprocal().squeeze(-1), b, b_scale.reciprocal().squeeze(-2), offs
         )
     return out.to(out_dtype)
 
@@ -104,6 +108,7 @@ def grouped_wgrad_mm(
     offs: torch.Tensor,
     out_dtype: torch.dtype,
     emulate: bool,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Per group ``a_g^T @ grad_g``: ``a [M, K]`` and ``grad [M, N]`` with per-group scales
     ``[G, K]`` and ``[G, N]`` over each group's tokens; returns ``[G, K, N]``."""
@@ -117,42 +122,20 @@ def grouped_wgrad_mm(
     # Computed as (grad^T @ a)^T: grad^T is row-major and a column-major as the Triton
     # quantizer writes them, and the transposed result has the weight's own layout, so
     # autograd needs no copy to accumulate it.
+    kernels = gemm_backends.kernel(backend)
     if offs.numel() == 1:
-        out = _scaled_gemm(
+        out = kernels.dense(
             grad.t(),
-            column_major(a),
             grad_scale.reciprocal().view(-1, 1),
+            a,
             a_scale.reciprocal().view(1, -1),
         ).unsqueeze(0)
     else:
-        out = _scaled_gemm(
+        out = kernels.k_grouped(
             grad.t(),
-            column_major(a),
             grad_scale.reciprocal().reshape(-1),
+            a,
             a_scale.reciprocal().reshape(-1),
             offs,
         )
     return out.transpose(-2, -1).to(out_dtype)
-
-
-def _scaled_gemm(a, b, a_inverse_scale, b_inverse_scale, offs=None) -> torch.Tensor:
-    """torch's fp8 GEMM, bf16 out, fast accumulation: ``_scaled_mm`` without ``offs``, else
-    ``_scaled_grouped_mm``. Scales are the inverses of ours (torch multiplies by them)."""
-    if offs is None:
-        return torch._scaled_mm(
-            a,
-            b,
-            scale_a=a_inverse_scale,
-            scale_b=b_inverse_scale,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=True,
-        )
-    return torch._scaled_grouped_mm(
-        a,
-        b,
-        a_inverse_scale,
-        b_inverse_scale,
-        offs=offs,
-        out_dtype=torch.bfloat16,
-        use_fast_accum=True,
-    )

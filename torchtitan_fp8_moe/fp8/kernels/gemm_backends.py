@@ -1,0 +1,182 @@
+"""The rowwise recipe's fp8 GEMMs behind one interface per GEMM form, with a backend per kernel
+library: ``torch`` (always there) and ``fbgemm`` (fbgemm-gpu-genai's CUTLASS kernels, where
+installed for the running torch).
+
+The forms (operands fp8 e4m3, scales fp32 multipliers, the inverses of the recipe's scales;
+output bf16; fast accumulation):
+
+- ``m_grouped(a [M, K], a_inv [M], b [G, K, N], b_inv [G, N], offs)`` -> ``[M, N]``: per group
+  ``a_g @ b[g]``, the groups' rows ending at ``offs`` (int32). The forward and the input
+  gradient. Rows past ``offs[-1]`` belong to no group and are left unwritten.
+- ``k_grouped(a [P, M], a_inv [G * P], b [M, Q], b_inv [G * Q], offs)`` -> ``[G, P, Q]``: per
+  group ``a[:, rows_g] @ b[rows_g]``, the weight gradient over each group's tokens.
+- ``dense(a [M, K], a_inv [M, 1], b [K, N], b_inv [1, N])`` -> ``[M, N]``: one group (shared
+  experts, linears).
+
+``a`` is row-major; ``b`` is read with its contraction dim contiguous (column-major), as the
+recipe's quantizers write it: any other layout is copied first. A backend that lacks a form
+leaves it to another (``GemmChoice``); ``fbgemm`` has no fp8 weight-gradient (k-grouped)
+kernel. Which backend runs each GEMM of a weight is the weight's ``GemmChoice``, made when it
+is converted (``gemm_choice.py``).
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..gemm import column_major
+
+logger = logging.getLogger(__name__)
+
+FORMS = ("m_grouped", "k_grouped", "dense")
+
+
+@dataclass(frozen=True, order=True)
+class GemmChoice:
+    """The backend of each GEMM of one weight: forward, input gradient, weight gradient (the
+    form follows from the weight: ``dense`` for one group, else ``m_grouped`` / ``k_grouped``)."""
+
+    forward: str = "torch"
+    input_grad: str = "torch"
+    weight_grad: str = "torch"
+
+    def describe(self) -> str:
+        return (
+            f"GEMMs forward {self.forward}, input grad {self.input_grad}, "
+            f"weight grad {self.weight_grad}"
+        )
+
+
+# Every GEMM on torch's kernels: the default.
+TORCH_GEMMS = GemmChoice()
+
+
+class TorchBackend:
+    """torch's ``_scaled_grouped_mm`` (CUTLASS) and ``_scaled_mm`` (cuBLAS)."""
+
+    name = "torch"
+    forms = frozenset(FORMS)
+
+    def m_grouped(self, a, a_inv, b, b_inv, offs):
+        return torch._scaled_grouped_mm(
+            a,
+            column_major(b),
+            a_inv,
+            b_inv,
+            offs=offs,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        )
+
+    def k_grouped(self, a, a_inv, b, b_inv, offs):
+        return self.m_grouped(a, a_inv, b, b_inv, offs)  # the same kernel, 2D x 2D
+
+    def dense(self, a, a_inv, b, b_inv):
+        return torch._scaled_mm(
+            a,
+            column_major(b),
+            scale_a=a_inv,
+            scale_b=b_inv,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        )
+
+
+class FbgemmBackend:
+    """fbgemm-gpu-genai's ``f8f8bf16_rowwise_grouped_stacked`` (m-grouped: weights ``[G, N, K]``
+    with K contiguous, per-row and per-(group, column) scales, group sizes as int64) and
+    ``f8f8bf16_rowwise`` (dense: ``[M, K] x [N, K]``). Its kernels read every operand as packed
+    row-major storage, so each operand is made contiguous in that layout here."""
+
+    name = "fbgemm"
+    # fbgemm-gpu-genai 1.N is built for torch 2.(N+5).
+    install = (
+        "pip install fbgemm-gpu-genai==1.6.0 (for torch 2.11; 1.8.0 for torch 2.13: "
+        "fbgemm-gpu-genai 1.N pairs with torch 2.(N+5))"
+    )
+    forms = frozenset({"m_grouped", "dense"})
+
+    def __init__(self, ops):
+        self.grouped = ops.f8f8bf16_rowwise_grouped_stacked
+        self.gemm = ops.f8f8bf16_rowwise
+
+    def m_grouped(self, a, a_inv, b, b_inv, offs):
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
+        return self.grouped(
+            a.contiguous(),
+            b.transpose(-2, -1).contiguous(),
+            a_inv.contiguous(),
+            b_inv.contiguous(),
+            sizes,
+        )
+
+    def dense(self, a, a_inv, b, b_inv):
+        return self.gemm(
+            a.contiguous(),
+            b.t().contiguous(),
+            a_inv.reshape(-1).contiguous(),
+            b_inv.reshape(-1).contiguous(),
+            use_fast_accum=True,
+        )
+
+
+def _load_fbgemm() -> FbgemmBackend:
+    """fbgemm-gpu-genai's kernels; raises where it is not installed, not built for this torch,
+    or lacks them (AttributeError)."""
+    import fbgemm_gpu.experimental.gen_ai  # noqa: F401  (registers torch.ops.fbgemm)
+
+    return FbgemmBackend(torch.ops.fbgemm)
+
+
+_LOADERS = {"fbgemm": _load_fbgemm}
+_INSTALL = {"fbgemm": FbgemmBackend.install}
+BACKENDS = ("torch", *_LOADERS)
+# ``[float8_moe] gemm_backend``: "auto" times the installed backends per GEMM (gemm_choice.py).
+GEMM_BACKEND_OPTIONS = ("auto", *BACKENDS)
+
+# Each backend once per process: loaded, or the exception its import raised. A plain dict, so
+# compiled code reads it as a constant (``kernel``).
+_loaded: dict[str, object] = {"torch": TorchBackend()}
+
+
+def _load(name: str):
+    if name not in _loaded:
+        try:
+            _loaded[name] = _LOADERS[name]()
+        except Exception as e:  # noqa: BLE001 - a build for another torch raises anything
+            _loaded[name] = e
+            logger.info(
+                f"float8_moe: GEMM backend {name} skipped, it does not load "
+                f"({type(e).__name__}: {str(e)[:200]}); to use it: {_INSTALL[name]}"
+            )
+    return _loaded[name]
+
+
+def available() -> list[str]:
+    """The names of the backends that load here, ``torch`` first."""
+    return [name for name in BACKENDS if not isinstance(_load(name), Exception)]
+
+
+def backend(name: str):
+    """The backend ``name``; raises naming the option and the install command where it does
+    not load."""
+    if name not in BACKENDS:
+        raise ValueError(
+            f"float8_moe: gemm_backend {name!r} is not one of {list(GEMM_BACKEND_OPTIONS)}"
+        )
+    loaded = _load(name)
+    if isinstance(loaded, Exception):
+        raise RuntimeError(
+            f"float8_moe: gemm_backend = {name!r}, but {name} does not load here "
+            f"({type(loaded).__name__}: {str(loaded)[:200]}); install it: {_INSTALL[name]}, "
+            'or set float8_moe.gemm_backend = "auto" or "torch"'
+        ) from loaded
+    return loaded
+
+
+def kernel(name: str):
+    """The backend a converted weight's ``GemmChoice`` names, at call time (the conversion
+    loaded it: a dict read, also in compiled code)."""
+    loaded = _loaded.get(name)
+    return loaded if loaded is not None and not isinstance(loaded, Exception) else backend(name)
