@@ -8,6 +8,7 @@ trainer.
 """
 
 from . import fsdp_shard_buffer
+from ._version import __version__
 from .conversion import convert
 from .sharding import ShardPlanRow, format_plan
 from .torchtitan_version import TORCHTITAN_V03
@@ -23,6 +24,7 @@ else:
 fsdp_shard_buffer.install()
 
 __all__ = [
+    "__version__",
     "Float8MoEConverter",
     "Float8MoEWeight",
     "ShardPlanRow",
