@@ -90,6 +90,59 @@ def test_converted_weights_are_named_alike_inside_dtensors(tmp_path, monkeypatch
         torch.distributed.destroy_process_group()
 
 
+def _aot_cache_hash(weight: torch.Tensor) -> str:
+    """What torch's AOTAutograd cache key holds for ``weight`` (its pickler's hash), with every
+    warning an error: torch warns about a subclass without ``_stable_hash_for_caching``."""
+    import warnings
+
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+
+    pickler = AOTAutogradCachePickler(torch.fx.GraphModule(nn.Module(), torch.fx.Graph()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return pickler.get_hash(weight)
+
+
+def test_converted_weights_give_torch_a_stable_cache_hash():
+    """torch's extension point for a tensor subclass in the AOTAutograd cache key: the hash of a
+    weight names its class, configuration, shapes and dtypes, never its values or addresses."""
+    from torchtitan_fp8_moe.fp8.weight_cache import WeightPayloads
+    from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
+    from torchtitan_fp8_moe.weight.gathered import Float8GatheredWeight
+
+    def weight(config=None, shape=(4, 32, 16)):
+        config = config or WeightConfig(emulate=True)
+        return Float8MoEWeight(torch.randn(shape, dtype=torch.bfloat16), config)
+
+    first = weight()
+    assert _aot_cache_hash(first) == _aot_cache_hash(weight())  # other values and storage
+    others = [
+        weight(WeightConfig(emulate=True, recipe="blockwise")),
+        weight(WeightConfig(emulate=True, cache_fp8=True)),
+        weight(shape=(4, 16, 32)),
+        first.transpose(-2, -1),
+    ]
+    hashes = {_aot_cache_hash(w) for w in [first, *others]}
+    assert len(hashes) == len(others) + 1
+
+    def gathered(transposed: bool):
+        g, k, n = 4, 16, 32
+        payloads = WeightPayloads(
+            torch.zeros(g, k, n, dtype=torch.float8_e4m3fn),
+            torch.ones(g, 1, n),
+            torch.zeros(g, n, k, dtype=torch.float8_e4m3fn),
+            torch.ones(g, 1, k),
+        )
+        size, stride = (g, k, n), (k * n, n, 1)
+        return Float8GatheredWeight(
+            payloads, size, stride, torch.bfloat16, WeightConfig(emulate=True), transposed
+        )
+
+    assert _aot_cache_hash(gathered(False)) == _aot_cache_hash(gathered(False))
+    assert _aot_cache_hash(gathered(False)) != _aot_cache_hash(gathered(True))
+    assert _aot_cache_hash(gathered(False)) not in hashes
+
+
 def test_the_source_digest_follows_every_file(tmp_path):
     copy = tmp_path / "torchtitan_fp8_moe"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))

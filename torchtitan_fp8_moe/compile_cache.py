@@ -10,6 +10,12 @@ DTensors' fp8 weights and crashed (a segmentation fault on CPU; tests/test_compi
 The converter therefore adds a tag to torch's cache keys (``torch.compiler.config.cache_key_tag``)
 made from this package's Python sources and from the name, type and configuration of every
 weight converted in the process.
+
+torch's own extension point for tensor subclasses, ``_stable_hash_for_caching``, which the weight
+classes implement (``weight/base.py``; torch 2.13 and 2.15 call it for a subclass among a graph's
+inputs), keys a graph by a weight's class and configuration where the weight is the input; it
+cannot cover the two cases above (a DTensor's hash is its own spec's, not the wrapped weight's,
+and no key holds the code below the subclass), so the tag stays on every torch.
 """
 
 import functools

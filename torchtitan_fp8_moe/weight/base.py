@@ -1,6 +1,8 @@
 """What the converted weight tensors share: every matmul they are the right operand of runs in
 fp8 through the overrides of ``matmuls.py``, by the recipe and path of their ``WeightConfig``."""
 
+import hashlib
+
 import torch
 
 from ..fp8.recipes import Recipe
@@ -38,6 +40,25 @@ class Fp8Weight(torch.Tensor):
             )
         return config.fp8_recipe, config.emulate
 
+    def _stable_hash_for_caching(self) -> str:
+        """This weight in the key of torch.compile's AOTAutograd cache: torch's extension point
+        for tensor subclasses (torch 2.13 and 2.15 call it where a graph's inputs hold one;
+        without it torch warns and hashes the flatten metadata without the class). The class,
+        the flatten metadata (configuration) and the outer and inner tensors' shapes, strides,
+        dtypes and devices: no storage address, the same in every process. A DTensor holding
+        this weight hashes only its own spec, and no key holds this package's code: the tag of
+        ``compile_cache.py`` covers those."""
+        names, metadata = self.__tensor_flatten__()
+        payload = (
+            type(self).__module__,
+            type(self).__qualname__,
+            repr(metadata),
+            _tensor_key(self),
+            self.requires_grad,
+            tuple((name, _tensor_key(getattr(self, name))) for name in names),
+        )
+        return hashlib.blake2b(repr(payload).encode(), digest_size=16).hexdigest()
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -56,6 +77,12 @@ class Fp8Weight(torch.Tensor):
             return handler(a, weight, *rest, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    if t is None:
+        return None
+    return (tuple(t.shape), t.stride(), str(t.dtype), t.device.type)
 
 
 def _as_autocast(a: torch.Tensor, rest: tuple, kwargs: dict) -> tuple:
