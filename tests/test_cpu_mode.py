@@ -125,3 +125,28 @@ def test_bf16_gemms_as_fp32_match_torch_and_the_exact_result():
     # at most 1. Against torch's bf16 kernel only the fp32 summation order differs (equal here).
     for name, error in report.items():
         assert error <= 1.0, (name, error, report)
+
+
+def test_process_group_timeouts_go_through_torchs_public_call(tmp_path):
+    """The CPU mode's ``set_pg_timeouts`` (torchtitan's without its CUDA barrier) calls
+    ``torch.distributed.set_timeout`` where torch has it: torch 2.15 deprecates the private
+    ``_set_pg_timeout`` with a warning, which would fail this test (pyproject's filter)."""
+    import datetime
+
+    import torch
+
+    from torchtitan_fp8_moe import cpu
+
+    public = getattr(torch.distributed, "set_timeout", None)
+    assert cpu._set_timeout is (public or torch.distributed.distributed_c10d._set_pg_timeout)
+
+    class NoMeshes:
+        def get_all_one_dimensional_meshes(self):
+            return {}
+
+    store = f"file://{tmp_path}/store"
+    torch.distributed.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        cpu._set_pg_timeouts(datetime.timedelta(seconds=120), NoMeshes())
+    finally:
+        torch.distributed.destroy_process_group()

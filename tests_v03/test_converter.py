@@ -14,7 +14,7 @@ from torchtitan.models import deepseek_v3, gpt_oss, qwen3
 from torchtitan.trainer import Trainer
 
 import torchtitan_fp8_moe
-from torchtitan_fp8_moe import Float8MoEWeight
+from torchtitan_fp8_moe import Float8MoEWeight, torch_private
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.torchtitan_v03 import Float8MoEConverter, preflight, run
 from torchtitan_fp8_moe.torchtitan_v03 import config_registry as entries
@@ -309,3 +309,9 @@ def test_experts_quantized_by_torchtitans_converter_are_refused():
     routed.inner_experts = torchao_cls.Config(**values)
     with pytest.raises(ValueError, match="Float8GroupedExpertsConverter"):
         Float8MoEConverter.Config(policy="always").build().convert(config)
+
+
+def test_the_private_torchtitan_names_the_glue_uses_resolve():
+    """torchtitan_fp8_moe/torch_private.py's torchtitan table (tests/test_torch_private.py checks
+    that it lists every private torchtitan name the package uses)."""
+    assert torch_private.unresolved(torch_private.PRIVATE_TORCHTITAN) == []

@@ -181,12 +181,19 @@ class CpuMemoryMonitor:
         pass  # the kernel's peak RSS cannot be reset
 
 
+# torch.distributed.set_timeout where torch has it (2.15 does, and deprecates the private
+# _set_pg_timeout); torch 2.11-2.13 have only the private one (torch_private.py).
+_set_timeout = getattr(torch.distributed, "set_timeout", None) or (
+    torch.distributed.distributed_c10d._set_pg_timeout
+)
+
+
 def _set_pg_timeouts(timeout, parallel_dims) -> None:
     """torchtitan's set_pg_timeouts without its CUDA barrier (gloo rejects ``device_ids``)."""
     torch.distributed.barrier()
     groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()]
     for group in groups + [None]:
-        torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+        _set_timeout(timeout, group)
 
 
 _original_destroy_process_group = torch.distributed.destroy_process_group
