@@ -119,14 +119,17 @@ def test_scout_at_64_ranks_plans_in_seconds(capsys):
     ],
 )
 def test_one_gpu_trainer_configs_get_the_policy_verdicts_benchmarked(
-    capsys, config, policy, converted, kept
+    capsys, caplog, config, policy, converted, kept
 ):
     """The end-to-end benchmark's configs (scripts/bench_train.py, docs/benchmarks): which
-    weights the default policy converts on one H200."""
+    weights the default policy converts on one H200. The plan is printed once: the converter's
+    own log line (a warning where it converts nothing) is the launch's, not preflight's."""
     rc, out, err = _preflight(
         capsys, "--config", config, "--ngpu", "1", f"--float8_moe.policy={policy}"
     )
     assert rc == 0, out + err
+    assert (out + err).count("FSDP shard plan") == 1, out + err
+    assert not [r for r in caplog.records if "FSDP shard plan" in r.getMessage()]
     bf16_rows = _rows(
         rf"^layers\.\d+\.moe\.\S+ .* bf16 \({policy}: fp8 est\. [\d.]+ ms slower\)", out
     )

@@ -172,6 +172,19 @@ def test_preflight_plans_the_full_size_entries_for_gpus():
     assert all(row.path.startswith(("bf16 (auto", "cuda (auto")) for row in rows)
 
 
+def test_preflight_prints_the_plan_once(capsys, caplog):
+    """The converter's own log line (a warning where the policy keeps every weight bf16, as for
+    Qwen3-30B's narrow experts) is the launch's; preflight prints the plan once, and says why
+    no weight is in fp8."""
+    module = "torchtitan_fp8_moe.torchtitan_v03.config_registry"
+    args = ["--module", module, "--config", "qwen3_30b_a3b_float8_moe", "--ngpu", "8"]
+    assert preflight.main(args) == preflight.EXIT_OK
+    captured = capsys.readouterr()
+    assert (captured.out + captured.err).count("FQN ") == 1
+    assert not [r for r in caplog.records if "FSDP shard plan" in r.getMessage()]
+    assert "0 of 144 expert weights in fp8 (144 kept in bf16 by the auto policy)" in captured.out
+
+
 def test_preflight_exit_codes(capsys):
     module = "torchtitan_fp8_moe.torchtitan_v03.config_registry"
     assert (

@@ -163,6 +163,8 @@ class Float8MoEConverter:
             time_weights=plan_target is None,  # preflight plans another machine's GPUs
             gemm_backend=self.gemm_backend,
         )
+        if plan_target is not None:
+            return  # preflight prints the plan itself, once
         warn, message = conversion_message(
             self.shard_plan,
             len(targets),

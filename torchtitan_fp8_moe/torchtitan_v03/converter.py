@@ -164,6 +164,8 @@ def convert_experts(model: nn.Module, settings: Float8MoEConverter.Config, run: 
         gemm_backend=settings.gemm_backend,
     )
     model.float8_moe_shard_plan = plan
+    if not run.launching:
+        return  # preflight prints the plan itself, once
     warn, message = conversion_message(
         plan,
         len(targets),

@@ -81,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_plan(rows))
     fp8 = sum(row.fp8 for row in rows)
+    policy = config.model_spec.model.float8_moe.policy
+    kept = f" ({len(rows) - fp8} kept in bf16 by the {policy} policy)" if fp8 < len(rows) else ""
     print(
-        f"{fp8} of {len(rows)} expert weights in fp8; padding bytes per step: "
+        f"{fp8} of {len(rows)} expert weights in fp8{kept}; padding bytes per step: "
         f"{sum(row.padding_bytes for row in rows)}"
     )
     return EXIT_OK
