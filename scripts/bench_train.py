@@ -16,11 +16,13 @@ then frees its cached blocks and retries before it reserves more, so a run that 
 memory it needs, not what it chose to keep cached; a run that needs more fails with CUDA out of
 memory. A run whose log does not say the cap was set counts as failed.
 
-Runs each variant through scripts/run_train.sh with the same seed and data, reads the trainer's
-per-step log lines, and reports over the steps after warm-up the median tokens/s per device, the
-peak reserved memory and the CUDA allocator's retries (``retries``, the most of any run: at the
-memory limit they slow a run), the loss curve, and the speedup over bf16 of the same compile
-setting.
+Runs each variant through scripts/run_train.sh with the same seed and data, printing a line per
+training step as the trainer logs it, and reads each run's numbers from torchtitan's metrics
+output: the TensorBoard event file it writes with ``--metrics.enable_tensorboard`` (torchtitan
+depends on tensorboard; its other output, wandb, is a service). It reports over the steps after
+warm-up the median tokens/s per device, the peak reserved memory and the CUDA allocator's retries
+(``retries``, the most of any run: at the memory limit they slow a run), the loss curve, and the
+speedup over bf16 of the same compile setting.
 With ``--repeat N`` every variant runs N times, interleaved (bf16, fp8, bf16, fp8, ...) so that
 drift of the machine hits all variants alike; a variant's tokens/s is then the median of its
 runs' medians, with the spread (min, max) and every run's value beside it, and its speedup by
@@ -32,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import time
@@ -44,32 +47,77 @@ except ModuleNotFoundError:  # Python 3.10: torchtitan depends on tomli instead
 
 REPO = Path(__file__).resolve().parent.parent
 ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
+# The console lines below only show progress (and are kept in each run's log); the numbers come
+# from the metrics' event file (metric_records).
 # A training step's line ("validate step:" lines are validation's).
 STEP_LINE = re.compile(
     r"(?<!validate )step: +(\d+) +loss: +(\S+).*?memory: +([\d.]+)GiB.*?tps: +([\d,]+)"
 )
-# torchtitan warns with the allocator's retries so far before a step's line, if there were any.
-RETRIES_LINE = re.compile(r"(\d+) CUDA memory allocation retries")
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
 
 
-def step_records(log: str) -> dict[int, tuple[float, float, int, int]]:
-    """Each logged training step's (loss, peak reserved GiB, tokens/s, the CUDA allocator's
-    retries up to it), as the first rank whose steps the log shows saw them (``LOG_RANK``
-    decides which ranks it shows; rank 0 by default). A retry frees the allocator's cache and
-    allocates again, a device sync: at the memory limit it is what slows a run down."""
-    records_by_rank, retries = {}, {}
-    for line in log.splitlines():
-        rank = found[1] if (found := RANK_PREFIX.match(line)) else None
-        if found := RETRIES_LINE.search(line):
-            retries[rank] = int(found[1])
-        if found := STEP_LINE.search(line):
-            step, loss, memory, tps = found.groups()
-            tokens = int(tps.replace(",", ""))
-            record = (float(loss), float(memory), tokens, retries.get(rank, 0))
-            records_by_rank.setdefault(rank, {})[int(step)] = record
-    # dicts keep insertion order: the first rank that logged a step
-    return next(iter(records_by_rank.values()), {})
+# torchtitan's metrics (components/metrics.py) under the names of its event file.
+METRIC_TAGS = {
+    "loss": "loss_metrics/global_avg_loss",
+    "reserved_gib": "memory/max_reserved(GiB)",
+    "tokens_per_s": "throughput(tps)",
+    "alloc_retries": "memory/num_alloc_retries",
+}
+
+
+def metric_records(folder: Path) -> dict[int, tuple[float, float, float, int]]:
+    """Each logged training step's (loss, peak reserved GiB, tokens/s per device, the CUDA
+    allocator's retries up to it) from the TensorBoard event files under ``folder``, which the
+    metrics rank (rank 0, or the last pipeline stage's first rank) writes. Steps missing any of
+    the four are left out."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    values: dict[int, dict[str, float]] = {}
+    wanted = {tag: name for name, tag in METRIC_TAGS.items()}
+    for path in sorted(folder.rglob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.tag not in wanted:
+                    continue
+                number = (
+                    value.simple_value
+                    if value.WhichOneof("value") == "simple_value"
+                    else value.tensor.float_val[0]
+                )
+                values.setdefault(event.step, {})[wanted[value.tag]] = number
+    return {
+        # at the console's precision, tokens/s to 0.1 (the console rounds it to an integer)
+        step: (
+            round(m["loss"], 5),
+            round(m["reserved_gib"], 2),
+            round(m["tokens_per_s"], 1),
+            int(m["alloc_retries"]),
+        )
+        for step, m in sorted(values.items())
+        if len(m) == len(METRIC_TAGS)
+    }
+
+
+class Progress:
+    """A line per training step of one rank's console output, as the trainer logs it."""
+
+    def __init__(self, label: str, steps: int):
+        self.label, self.steps, self.rank = label, steps, None
+
+    def line(self, text: str) -> str | None:
+        found = STEP_LINE.search(text)
+        if not found:
+            return None
+        rank = prefix[1] if (prefix := RANK_PREFIX.match(text)) else None
+        if self.rank is None:
+            self.rank = rank
+        if rank != self.rank:
+            return None
+        step, loss, memory, tps = found.groups()
+        return (
+            f"{self.label}: step {int(step)}/{self.steps}  loss {loss}  "
+            f"{tps} tokens/s  {float(memory):.2f} GiB reserved"
+        )
 
 
 def retries_after_warmup(steps: dict[int, tuple[float, float, int, int]], warmup: int) -> int:
@@ -141,9 +189,14 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
     config = args.config
     if variant.startswith("bf16"):
         config = _without_converters(args.config, Path(args.out).parent)
+    dump_folder = f"outputs/bench_train/{variant}"
+    metrics_folder = REPO / dump_folder / f"tb_run{run}"
+    shutil.rmtree(metrics_folder, ignore_errors=True)  # an earlier invocation's
     overrides = [
         f"--training.steps={args.steps}",
-        f"--job.dump_folder=outputs/bench_train/{variant}",
+        f"--job.dump_folder={dump_folder}",
+        "--metrics.enable_tensorboard",
+        f"--metrics.save_tb_folder={metrics_folder.name}",
         *(["--compile.enable"] if "+compile" in variant else []),
         *(["--float8_moe.cache_fp8_weights"] if "+cache" in variant else []),
         *(["--float8_moe.fp8_all_gather"] if "+fp8ag" in variant else []),
@@ -159,24 +212,44 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
             [str(_memory_cap_site(Path(args.out).parent))]
             + [p for p in [os.environ.get("PYTHONPATH")] if p]
         )
-    started = time.perf_counter()
-    proc = subprocess.run(
-        ["./scripts/run_train.sh", *overrides], cwd=REPO, env=env, capture_output=True, text=True
-    )
-    log = ANSI_COLOR.sub("", proc.stdout + proc.stderr)
     suffix = f"_run{run}" if args.repeat > 1 else ""
     log_path = Path(args.out).with_name(
         f"{Path(args.out).stem}_{variant.replace('+', '_')}{suffix}.log"
     )
-    log_path.write_text(log)
-    steps = step_records(log)
+    label = f"{variant} (run {run + 1} of {args.repeat})"
+    print(f"{label}: starting", flush=True)
+    progress = Progress(label, args.steps)
+    started = time.perf_counter()
+    lines = []
+    with (
+        subprocess.Popen(
+            ["./scripts/run_train.sh", *overrides],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        ) as proc,
+        log_path.open("w") as log_file,
+    ):
+        for raw in proc.stdout:
+            line = ANSI_COLOR.sub("", raw)
+            log_file.write(line)
+            lines.append(line)
+            if shown := progress.line(line):
+                print(shown, flush=True)
+    log = "".join(lines)
+    wall_s = round(time.perf_counter() - started, 1)
+    print(f"{label}: exit code {proc.returncode}, {wall_s:.0f} s", flush=True)
+    steps = metric_records(metrics_folder)
     timed = [steps[s] for s in steps if s > args.warmup]
     row = {
         "variant": variant,
         "run": run,
         "ngpu": args.ngpu,
         "returncode": proc.returncode,
-        "wall_s": round(time.perf_counter() - started, 1),
+        "wall_s": wall_s,
         # run_train.sh sets expandable segments unless either variable is set here.
         "alloc_conf": {
             name: os.environ.get(name) for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -186,6 +259,7 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
         "out_of_memory": "OutOfMemoryError" in log or "CUDA out of memory" in log,
         "steps_logged": len(steps),
         "log": log_path.name,
+        "metrics": str(metrics_folder.relative_to(REPO)),
         "overrides": overrides,
     }
     if args.memory_cap_gib and CAP_APPLIED not in log:
@@ -200,7 +274,9 @@ def run_variant(variant: str, args, extra: list[str], run: int) -> dict:
             losses={s: steps[s][0] for s in sorted(steps)},
         )
     else:
-        row["error"] = log[-3000:]
+        row["error"] = (
+            f"no steps after warm-up in the metrics under {metrics_folder}:\n{log[-3000:]}"
+        )
     return row
 
 

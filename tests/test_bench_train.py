@@ -1,16 +1,21 @@
-"""scripts/bench_train.py's bookkeeping: speedups by interleaved round, and which runs loaded
-their data in a worker (the rows of docs/benchmarks depend on both)."""
+"""scripts/bench_train.py's bookkeeping: speedups by interleaved round, which runs loaded their
+data in a worker (the rows of docs/benchmarks depend on both), the numbers read from torchtitan's
+metrics event file, and the progress line per step."""
 
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_train import (  # noqa: E402
+    METRIC_TAGS,
+    Progress,
     loader_workers,
+    metric_records,
     retries_after_warmup,
     round_ratios,
-    step_records,
 )
 
 
@@ -70,29 +75,61 @@ H100_LOG = """\
 """  # noqa: E501
 
 
-def test_step_records_carry_the_allocator_retries_so_far():
-    """torchtitan warns with the allocator's retries (a running count) before a step's line; a
-    step without a warning had none yet; validation's lines are not steps."""
-    assert step_records(H100_LOG) == {
-        1: (8.1048, 71.67, 26924, 0),
-        2: (8.48733, 76.63, 42171, 0),
-        3: (7.48503, 76.63, 81583, 1),
-        12: (4.96775, 77.65, 80632, 9),
-    }
-
-
-def test_step_records_follow_one_rank_where_the_log_shows_several():
-    """With LOG_RANK=0,1 both ranks' lines interleave: rank 1's retries and steps stay out."""
+def test_progress_shows_each_step_of_one_rank_as_it_is_logged():
+    """A line per training step of the first rank whose steps the log shows (LOG_RANK=0,1 shows
+    both ranks' lines interleaved); validation's lines are not steps."""
+    progress = Progress("float8_moe (run 1 of 3)", 12)
     rank1 = [line.replace("[rank0]", "[rank1]") for line in H100_LOG.splitlines()]
-    rank1[2] = rank1[2].replace("1 CUDA", "5 CUDA")
     mixed = [line for pair in zip(H100_LOG.splitlines(), rank1, strict=True) for line in pair]
-    rank1_first = [line for pair in zip(rank1, H100_LOG.splitlines(), strict=True) for line in pair]
-    assert step_records("\n".join(mixed)) == step_records(H100_LOG)
-    assert step_records("\n".join(rank1_first))[3][3] == 5
+    shown = [text for line in mixed if (text := progress.line(line))]
+    assert shown == [
+        "float8_moe (run 1 of 3): step 1/12  loss 8.10480  26,924 tokens/s  71.67 GiB reserved",
+        "float8_moe (run 1 of 3): step 2/12  loss 8.48733  42,171 tokens/s  76.63 GiB reserved",
+        "float8_moe (run 1 of 3): step 3/12  loss 7.48503  81,583 tokens/s  76.63 GiB reserved",
+        "float8_moe (run 1 of 3): step 12/12  loss 4.96775  80,632 tokens/s  77.65 GiB reserved",
+    ]
+
+
+def _write_metrics(folder: Path, steps: dict[int, tuple[float, float, float, int]]) -> None:
+    """Event files as torchtitan's TensorBoard logger writes them (SummaryWriter.add_scalar),
+    one with the old and one with the new scalar encoding, and a metric bench_train ignores."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for style, subfolder in ((False, "20261206-0512"), (True, "20261206-0513")):
+        writer = SummaryWriter(str(folder / subfolder))
+        for step, record in steps.items():
+            if (step % 2 == 0) != style:
+                continue
+            for tag, value in zip(METRIC_TAGS.values(), record, strict=True):
+                writer.add_scalar(tag, value, step, new_style=style)
+            writer.add_scalar("grad_norm", 1.0, step, new_style=style)
+        writer.close()
+
+
+def test_metric_records_read_torchtitans_event_files(tmp_path):
+    """Loss, peak reserved GiB, tokens/s per device and the allocator's retries so far, by step,
+    from the event files under the run's metrics folder; the same tuples the old console
+    parser gave, tokens/s unrounded (to 0.1)."""
+    steps = {
+        1: (8.1048, 71.67, 26924.4, 0),
+        2: (8.48733, 76.63, 42171.0, 0),
+        3: (7.5, 76.6, 81583.0, 1),
+    }
+    _write_metrics(tmp_path, steps)
+    records = metric_records(tmp_path)
+    assert sorted(records) == [1, 2, 3]
+    for step, (loss, reserved, tps, retries) in records.items():
+        want = steps[step]
+        assert (loss, reserved) == pytest.approx(want[:2]) and tps == pytest.approx(
+            want[2], abs=0.1
+        )
+        assert retries == want[3]
+    assert metric_records(tmp_path / "absent") == {}
 
 
 def test_retries_after_warmup_count_only_the_timed_steps():
-    steps = step_records(H100_LOG)
+    steps = {1: (8.1, 71.7, 26924, 0), 2: (8.5, 76.6, 42171, 0), 3: (7.5, 76.6, 81583, 1)}
+    steps[12] = (4.97, 77.65, 80632, 9)
     assert retries_after_warmup(steps, 2) == 9  # steps 3-12
     assert retries_after_warmup(steps, 3) == 8  # steps 4-12
     assert retries_after_warmup(steps, 0) == 9  # no warm-up logged: every retry
