@@ -1,5 +1,6 @@
-"""The pages: every relative link of README.md and docs/ names a file that exists, and every plot
-under docs/ is shown (a markdown image) on a page."""
+"""The pages: every relative link of README.md and docs/ names a file that exists, every plot
+under docs/ is shown (a markdown image) on a page, and the README stays short and runs the test
+command CI runs."""
 
 import re
 from pathlib import Path
@@ -44,3 +45,11 @@ def test_the_link_pattern_reads_links_and_images():
     text = '[a](x.md) ![b](y.png "t") [c](https://e.org) [d](#s) ```\n[e](z.md)\n```'
     found = [(i, t) for i, t in LINK.findall(CODE_BLOCK.sub("", text))]
     assert found == [("", "x.md"), ("!", "y.png"), ("", "https://e.org"), ("", "#s")]
+
+
+def test_the_readme_is_short_and_ci_runs_its_test_command():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    assert "\npython3 -m pytest tests -q\n" in readme
+    ci = (REPO / ".ci" / "run").read_text()
+    assert 'python3 -m pytest "$@" -q' in ci and "suite tests || rc=$?" in ci
