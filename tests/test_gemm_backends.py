@@ -232,3 +232,17 @@ def test_the_recipes_cuda_calls_into_fbgemm_give_the_emulated_products(fake_fbge
         want = rowwise.grouped_wgrad_mm(*pair, offs, bf16, emulate=True)
         got = rowwise.grouped_wgrad_mm(*pair, offs, bf16, False, backend="fbgemm")
         assert got.shape == want.shape and sqnr(want.float(), got.float()) > 40
+
+
+def test_the_log_line_names_the_gemm_backend_on_the_cuda_path_only():
+    """The emulated path multiplies in fp32 math: no kernels to name."""
+    from torchtitan_fp8_moe.run_checks import conversion_message
+
+    def line(path):
+        _, text = conversion_message(
+            [], 0, path, "why", "always", None, False, False, "fp8 rowwise", "fbgemm"
+        )
+        return text.splitlines()[0]
+
+    assert ", GEMM backend fbgemm, fp8 weight cache off" in line("cuda")
+    assert "GEMM backend" not in line("emulated") and ", policy always" in line("emulated")

@@ -185,8 +185,8 @@ def conversion_message(
             if kept
             else ""
         )
-        + f", GEMM backend {gemm_backend}, "
-        f"{describe_weight_cache(plan, cache_fp8_weights, compiled)}, "
+        + (f", GEMM backend {gemm_backend}" if path == "cuda" else "")  # emulated: no kernels
+        + f", {describe_weight_cache(plan, cache_fp8_weights, compiled)}, "
         f"fp8 all-gather {'on' if fp8_all_gather else 'off'}; FSDP shard plan:\n"
         + format_plan(plan)
     )
