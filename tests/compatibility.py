@@ -192,9 +192,9 @@ ROWS = [
         ],
     ),
     (
-        "Checkpoint resume, and a killed run",
+        "Checkpoint resume after a killed run (SIGKILL, SIGTERM, a save cut short)",
         WORKS,
-        "resumes from the last checkpoint on disk with the uninterrupted run's losses",
+        "resumes from the last complete checkpoint on disk with the uninterrupted run's losses",
         [
             "test_train.py::test_killed_run_resumes_from_its_last_checkpoint",
         ],

@@ -3,6 +3,7 @@
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -174,12 +175,16 @@ def _process_tree(pid: int) -> list[int]:
 KILLED_STEPS, KILLED_INTERVAL, KILLED_AT = 10, 4, 7
 
 
-def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
-    """scripts/run_train.sh as a user runs it (the seed config). SIGKILL the launcher and every
+@pytest.mark.parametrize("fault", ["sigkill", "sigterm", "killed_mid_save"])
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, fault):
+    """scripts/run_train.sh as a user runs it (the seed config). Stop the launcher and every
     worker once step 7 is logged, start it again with the same command: it resumes from the last
-    checkpoint on disk (step 4), redoes only the steps after it, and the steps both launches ran
-    (5-7) give the killed launch's losses exactly: model, optimizer, schedule and data position
-    all came back."""
+    complete checkpoint on disk (step 4), redoes only the steps after it, and the steps both
+    launches ran (5-7) give the stopped launch's losses exactly: model, optimizer, schedule and
+    data position all came back. ``fault``: SIGKILL; SIGTERM (what a scheduler sends first);
+    SIGKILL with a later save cut short (``step-8`` holding step 4's files but no ``.metadata``,
+    which DCP writes last), which the resume must pass over."""
+    sig = signal.SIGTERM if fault == "sigterm" else signal.SIGKILL
     dump = f"--job.dump_folder={tmp_path}"
     overrides = [
         f"--training.steps={KILLED_STEPS}",
@@ -202,16 +207,25 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
             killed_log.append(line)
             if re.search(rf"step: +{KILLED_AT} +loss", line):
                 for pid in _process_tree(proc.pid):
-                    os.kill(pid, signal.SIGKILL)
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass  # torchrun ended it on the signal already
                 break
     finally:
         proc.wait(timeout=120)
-    assert proc.returncode == -signal.SIGKILL
+    assert proc.returncode != 0, "the stopped launch reported success"
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
     killed = losses("".join(killed_log))
     assert sorted(killed) == list(range(1, KILLED_AT + 1)), killed
     saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").glob("step-*"))
     last = saved[-1]
     assert last == KILLED_INTERVAL, saved
+    if fault == "killed_mid_save":
+        partial = tmp_path / "checkpoint" / f"step-{2 * KILLED_INTERVAL}"
+        shutil.copytree(tmp_path / "checkpoint" / f"step-{last}", partial)
+        (partial / ".metadata").unlink()
     log = run_train(2, SEED_CONFIG, *overrides)
     resumed = losses(log)
     assert f"Loading the checkpoint from {tmp_path / 'checkpoint' / f'step-{last}'}" in log
