@@ -192,7 +192,7 @@ ROWS = [
         ],
     ),
     (
-        "Checkpoint resume after a killed run (SIGKILL, SIGTERM, a save cut short)",
+        "Resume after a killed run (SIGKILL, SIGTERM, a save cut short or failing to write)",
         WORKS,
         "resumes from the last complete checkpoint on disk with the uninterrupted run's losses",
         [

@@ -3,6 +3,7 @@
 
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -173,9 +174,12 @@ def _process_tree(pid: int) -> list[int]:
 
 # The killed run: 10 steps with a checkpoint every 4, killed once step 7 is logged.
 KILLED_STEPS, KILLED_INTERVAL, KILLED_AT = 10, 4, 7
+# A file-size limit for the launch whose save must fail: below a rank's shard of the seed
+# config's checkpoint (tens of MB), above anything else the launch writes.
+SAVE_LIMIT = 16 << 20
 
 
-@pytest.mark.parametrize("fault", ["sigkill", "sigterm", "killed_mid_save"])
+@pytest.mark.parametrize("fault", ["sigkill", "sigterm", "killed_mid_save", "save_write_fails"])
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, fault):
     """scripts/run_train.sh as a user runs it (the seed config). Stop the launcher and every
     worker once step 7 is logged, start it again with the same command: it resumes from the last
@@ -183,7 +187,10 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, fault):
     launches ran (5-7) give the stopped launch's losses exactly: model, optimizer, schedule and
     data position all came back. ``fault``: SIGKILL; SIGTERM (what a scheduler sends first);
     SIGKILL with a later save cut short (``step-8`` holding step 4's files but no ``.metadata``,
-    which DCP writes last), which the resume must pass over."""
+    which DCP writes last), which the resume must pass over; SIGKILL, then a launch whose save at
+    step 8 cannot write its files (a file-size limit below a shard's size: the write fails with
+    EFBIG as a full disk fails it with ENOSPC), which must exit with an error, not hang or report
+    success, and leave no checkpoint the next launch would load."""
     sig = signal.SIGTERM if fault == "sigterm" else signal.SIGKILL
     dump = f"--job.dump_folder={tmp_path}"
     overrides = [
@@ -226,6 +233,22 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, fault):
         partial = tmp_path / "checkpoint" / f"step-{2 * KILLED_INTERVAL}"
         shutil.copytree(tmp_path / "checkpoint" / f"step-{last}", partial)
         (partial / ".metadata").unlink()
+    if fault == "save_write_fails":
+        failed = subprocess.run(
+            ["./scripts/run_train.sh", *SMALL, *overrides],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (SAVE_LIMIT, SAVE_LIMIT)),
+        )
+        failed_log = failed.stdout + failed.stderr
+        assert failed.returncode != 0, failed_log[-4000:]
+        assert "File too large" in failed_log or "unexpected pos" in failed_log, failed_log[-4000:]
+        failed_losses = losses(failed_log)
+        assert 2 * KILLED_INTERVAL in failed_losses, failed_log[-4000:]  # it reached its save
+        assert not (tmp_path / "checkpoint" / f"step-{2 * KILLED_INTERVAL}" / ".metadata").exists()
     log = run_train(2, SEED_CONFIG, *overrides)
     resumed = losses(log)
     assert f"Loading the checkpoint from {tmp_path / 'checkpoint' / f'step-{last}'}" in log
