@@ -32,8 +32,16 @@ CURVE = [
 CURVE_CHECKPOINTS = ["--checkpoint.enable", f"--checkpoint.interval={CURVE_STEPS}"]
 
 
-def run_train(ngpu: int, config: str, *overrides: str, log_rank: int = 0) -> str:
-    """``scripts/run_train.sh`` in a launch of its own, as a user runs it."""
+def launch_train(
+    ngpu: int,
+    config: str,
+    *overrides: str,
+    log_rank: int = 0,
+    preexec_fn=None,
+    timeout: int = 900,
+) -> tuple[int, str]:
+    """``scripts/run_train.sh`` in a launch of its own, as a user runs it: its return code and
+    log. ``preexec_fn`` runs in the launcher's process before it starts (a resource limit)."""
     env = dict(os.environ, NGPU=str(ngpu), CONFIG_FILE=config, LOG_RANK=str(log_rank))
     proc = subprocess.run(
         ["./scripts/run_train.sh", *SMALL, *overrides],
@@ -41,10 +49,16 @@ def run_train(ngpu: int, config: str, *overrides: str, log_rank: int = 0) -> str
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
+        preexec_fn=preexec_fn,
     )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-8000:]
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def run_train(ngpu: int, config: str, *overrides: str, log_rank: int = 0) -> str:
+    """A launch of ``scripts/run_train.sh`` that must succeed; its log."""
+    returncode, log = launch_train(ngpu, config, *overrides, log_rank=log_rank)
+    assert returncode == 0, log[-8000:]
     return log
 
 
@@ -234,17 +248,14 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, fault):
         shutil.copytree(tmp_path / "checkpoint" / f"step-{last}", partial)
         (partial / ".metadata").unlink()
     if fault == "save_write_fails":
-        failed = subprocess.run(
-            ["./scripts/run_train.sh", *SMALL, *overrides],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
+        returncode, failed_log = launch_train(
+            2,
+            SEED_CONFIG,
+            *overrides,
             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (SAVE_LIMIT, SAVE_LIMIT)),
+            timeout=300,
         )
-        failed_log = failed.stdout + failed.stderr
-        assert failed.returncode != 0, failed_log[-4000:]
+        assert returncode != 0, failed_log[-4000:]
         assert "File too large" in failed_log or "unexpected pos" in failed_log, failed_log[-4000:]
         failed_losses = losses(failed_log)
         assert 2 * KILLED_INTERVAL in failed_losses, failed_log[-4000:]  # it reached its save
