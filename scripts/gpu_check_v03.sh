@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # torchtitan 0.3 on a GPU machine whose own torch is older than the 2.13 it is released with
-# (the lent H200: torch 2.11, Python 3.12): installs the wheels in .whl03/ into /tmp/site03,
+# (an H200 machine with torch 2.11, Python 3.12): installs the wheels in .whl03/ into /tmp/site03,
 # says whether torchtitan 0.3 imports, and if it does, trains the DeepSeek-V3 and Qwen3-MoE
 # debug models on 1 GPU, float8_moe and bf16 in turn, printing each run's losses and tokens/s.
 #   scripts/gpu_check_v03.sh [STEPS]     (default 20 steps a run)
