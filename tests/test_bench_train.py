@@ -62,8 +62,8 @@ def test_loader_workers_come_from_the_config_or_an_override():
     assert loader_workers("train_configs/llama4_debug.toml", override) == 2
 
 
-# Lines of a real H100 run (docs/benchmarks/archive/2026-12-06-first-step-release-h100/batch3/
-# new_r1_float8_moe.log, steps 1-3 and 12), and a validation line shaped like torchtitan's.
+# Lines of a real H100 run (a float8_moe trainer log of 2026-12-06, steps 1-3 and 12), and a
+# validation line shaped like torchtitan's.
 H100_LOG = """\
 [rank0]:[titan] 2026-12-06 05:12:16,841 - root - INFO - step:  1  loss:  8.10480  grad_norm:  3.2910  memory: 71.67GiB(90.52%)  tps: 26,924  tflops: 130.46  mfu: 13.19%
 [rank0]:[titan] 2026-12-06 05:12:17,424 - root - INFO - step:  2  loss:  8.48733  grad_norm:  8.0910  memory: 76.63GiB(96.78%)  tps: 42,171  tflops: 204.34  mfu: 20.66%

@@ -383,8 +383,8 @@ def test_compiled_lazy_cast_keeps_no_weight_copy():
 def test_compiled_silu_gradients_are_stored_fewer_times():
     """torchtitan's compiled routed experts: with our kernels reading their inputs through an
     ``as_strided`` view (``fp8/opaque.py``), inductor stores the SiLU backward's two gradients
-    fewer times than without it, where it copied each for every kernel that reads it (6 stores
-    in the Scout trainer's kernel, docs/benchmarks/archive/2026-12-04-silu-single-store/).
+    fewer times than without it, where it copied each for every kernel that reads it (one store
+    per reading kernel in the Scout trainer's kernel).
     The results are the same bits either way, and near eager's: inductor fuses SiLU and the
     product into one rounding to bf16 where eager rounds twice, so the fp8 casts of the product
     may differ in a few elements."""
@@ -529,10 +529,10 @@ def test_compiled_chunked_per_group_cast_equals_eager(quantizer):
 
 
 def test_timing_policy_keeps_fp8_where_it_pays_on_this_gpu():
-    """measure.py on the GPU: Scout's routed w1 and w3 at 64K tokens (fp8 1.5x faster on an
-    H200, docs/benchmarks) are kept fp8; a tiny weight, where fp8's extra kernel launches cost
-    more than its GEMM saves, stays bf16. convert with policy "measure" times, says so, frees
-    what it timed with and leaves the CUDA generator as it was."""
+    """measure.py on the GPU: Scout's routed w1 and w3 at 64K tokens (fp8 well ahead of bf16 there,
+    docs/benchmarks/README.md) are kept fp8; a tiny weight, where fp8's extra kernel launches cost
+    more than its GEMM saves, stays bf16. convert with policy "measure" times, says so, frees what
+    it timed with and leaves the CUDA generator as it was."""
     from expert_modules import scout_meta_model
 
     from torchtitan_fp8_moe import convert

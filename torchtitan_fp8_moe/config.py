@@ -48,9 +48,9 @@ class Float8MoE:
     cache_fp8_weights: bool = False
     """Quantize each expert weight once per optimizer step and orientation, and reuse the fp8
     copies in every forward, activation-checkpoint recompute and gradient-accumulation
-    micro-batch of the step. Saves the weight quantization time of all but the first use (on an
-    H200 the transposed-weight cast alone is 0.85 ms per Scout routed projection and use,
-    docs/benchmarks); costs the memory of the fp8 copies
+    micro-batch of the step. Saves the weight quantization time of all but the first use (the
+    transposed-weight cast alone is a large share of it; timings in docs/benchmarks/README.md);
+    costs the memory of the fp8 copies
     (about one bf16 copy of the unsharded expert weights) until the step ends. Compiled blocks
     quantize their weights inline, without it; with fp8_all_gather the shards are quantized in
     FSDP's (eager) all-gather hook, where it applies under torch.compile too."""
@@ -60,7 +60,7 @@ class Float8MoE:
     fp8 data and scales of both orientations (forward, input gradient) instead of the bf16
     values: each rank quantizes 1/FSDP-degree of the weight instead of all of it, for every
     forward and backward, with bit-identical results (every scale spans one expert's row or
-    column, and FSDP splits whole experts). Costs about the bytes of the bf16 gather (1.5x
+    column, and FSDP splits whole experts). Costs about the bytes of the bf16 gather (more
     when the experts do not split evenly over the ranks, as FSDP2 then wants every all-gather
     input in the padded shard's shape). The gathered weight holds no high-precision values:
     any use of it other than the experts' `torch._grouped_mm` (x @ w^T) raises. Weights whose

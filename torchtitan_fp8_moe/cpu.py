@@ -9,12 +9,11 @@ MoE (``enable_moe_ops()``): torchtitan's MoE assumes CUDA in two places, and the
 the grouped-mm path on CPU: the router counts tokens per expert with ``torch.histc`` on int64
 indices (CPU has no integer histc kernel), and the token-group padding builds its permutation
 with a Triton kernel unless asked for its CPU implementation.
-bf16 GEMMs (``use_fp32_gemms_for_bf16()``): on CPUs without AVX512-BF16 / AMX, torch's bf16
-matmuls run a reference loop some 40x slower than fp32 (mm 256x256x256: 25 ms vs 0.6 ms; the
-grouped mm of 8 experts: 50 ms vs 1.7 ms on this project's 2-core AVX2 machine), which made a
-bf16 trainer step on CPU mostly GEMM time. The trainer's CPU mode runs them as fp32 GEMMs of the
-bf16 values, rounded to bf16: the products of bf16 values are exact in fp32 and both kernels
-accumulate in fp32, so only the summation order differs.
+bf16 GEMMs (``use_fp32_gemms_for_bf16()``): on CPUs without AVX512-BF16 / AMX, torch's bf16 matmuls
+run a reference loop far slower than fp32's kernels (plain and grouped mm alike; see docs/cpu.md),
+which made a bf16 trainer step on CPU mostly GEMM time. The trainer's CPU mode runs them as fp32
+GEMMs of the bf16 values, rounded to bf16: the products of bf16 values are exact in fp32 and both
+kernels accumulate in fp32, so only the summation order differs.
 """
 
 import functools

@@ -1,7 +1,7 @@
 """The auto policy on a GPU its cost model was not fit on: each weight timed there, at start-up.
 
 ``policy.py``'s coefficients come from one H200; on an H100 they convert GPT-OSS 20B's experts,
-which then run 1-2% slower than bf16 (docs/limitations.md). So where the GPU is not the one
+which then run slower than bf16 (docs/limitations.md). So where the GPU is not the one
 the model was fit on, or under ``policy = "measure"``, the converter times each distinct expert
 weight instead of estimating it. It multiplies random bf16 tokens by a random weight of the
 weight's local shape and dtype, as torchtitan's experts do (``torch._grouped_mm(x,

@@ -13,8 +13,9 @@ experts, not for Scout's TP 8 shards or Qwen3-30B's 768-wide ones), the weight c
 1 / tokens per expert. The coefficients are a least-squares fit to torchtitan's MoE layer,
 forward + backward, on one H200 at the per-GPU shapes of real runs, eager and compiled apart
 (``scripts/fit_policy.py`` over ``docs/benchmarks/presets/h200.json``). Over the 40 measured
-cases the layer's estimate has the measured sign but for two: Scout at 8K tokens (measured 1.08x,
-estimated slower: the policy keeps its routed experts bf16) and GPT-OSS 120B at 32K (1.00x).
+cases the layer's estimate has the measured sign but for two: Scout at 8K tokens (measured
+faster, estimated slower: the policy keeps its routed experts bf16) and GPT-OSS 120B at 32K (about
+even; docs/benchmarks/presets/README.md).
 Calibrated on an H200 with torch 2.11, at 8K-32K tokens per rank (beyond, the terms are
 extrapolated linearly). On any other GPU the auto policy times each weight there instead
 (``measure.py``), and so it does on an H200 for the blockwise recipe and for GEMMs on another

@@ -44,8 +44,8 @@ def _skip_final_sleep() -> None:
 
 
 # Smaller variants of the debug flavors, for runs whose cost is the model's size. qwen3
-# debugmodel_moe is 8 layers of 64 experts (302M expert parameters): an emulated fp8 step takes
-# about 24 s on 2 CPU cores (docs/benchmarks/archive/2026-12-01-cpu-step/). Llama4's
+# debugmodel_moe is 8 layers of 64 experts (302M expert parameters): an emulated fp8 step of it
+# is slow on a CPU machine (docs/cpu.md). Llama4's
 # debugmodel alternates dense and MoE layers over 6; 2 layers keep one of each (a 4-rank TP
 # run: 4-5 s instead of 11-16 s). Each keeps its experts, routing and modules.
 TWO_LAYER_CHANGES = {"n_layers": 2}

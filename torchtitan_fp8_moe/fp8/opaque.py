@@ -1,10 +1,10 @@
 """Our kernels as torch ops under torch.compile, plain calls in eager mode.
 
-Eager calls on plain tensors run the implementation itself: a custom op's dispatch costs about
-0.2 ms of host time per call, and a routed projection's forward and backward make five calls,
-more host time than its kernels take on an H200 under tensor parallelism
-(docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time/). Meta tensors (pipeline shape
-inference), fake tensors and other subclasses go through the op, which has their rules.
+Eager calls on plain tensors run the implementation itself: a custom op's dispatch costs host
+time on every call, and a routed projection's forward and backward make five calls, which under
+tensor parallelism (narrow shards) is more host time than its kernels take (host time per call:
+docs/benchmarks/README.md). Meta tensors (pipeline shape inference), fake tensors and other
+subclasses go through the op, which has their rules.
 """
 
 import functools
@@ -30,10 +30,9 @@ def compile_triton(name: str, fn: Callable) -> Callable:
     """``fn``, which launches its Triton kernels through ``launcher`` below, as the
     triton op ``torchtitan_fp8_moe::<name>``: torch.compile traces into it and inductor launches
     the kernels from its generated code. As an opaque custom op, each call paid the op's
-    dispatch and Triton's Python launcher in compiled code too: float8_moe took 10.6 ms of host
-    time per compiled layer call at the Scout preset's TP 8 shapes against bf16's 3.5 ms, 6.2 ms
-    as a triton op (docs/benchmarks/archive/2026-12-03-per-group-chunks-cast-reuse-triton-ops/).
-    The op's shape rule is ``fn`` run on fake tensors."""
+    dispatch and Triton's Python launcher in compiled code too, which at narrow (TP 8) shapes
+    left a compiled layer call with far more host time than as a triton op
+    (docs/benchmarks/README.md). The op's shape rule is ``fn`` run on fake tensors."""
     op = torch.library.triton_op(
         f"torchtitan_fp8_moe::{name}", _with_traced_inputs_realized(fn), mutates_args=()
     )
@@ -47,7 +46,7 @@ def _with_traced_inputs_realized(fn: Callable) -> Callable:
     the SiLU backward's two gradients) is copied for each kernel that reads it, one store per
     kernel, each the size of the tensor. An ``as_strided`` user makes inductor store the input
     once with those strides instead, and every kernel reads that (torch 2.11 and 2.13,
-    ``GraphLowering.run_node``; docs/benchmarks/archive/2026-12-04-silu-single-store/)."""
+    ``GraphLowering.run_node``)."""
 
     @functools.wraps(fn)
     def call(*args):
@@ -65,9 +64,8 @@ def _as_strided_self(value):
 def launcher(kernel, tensor: torch.Tensor):
     """How a ``compile_triton`` function launches ``kernel`` on ``tensor``: directly for a plain
     tensor (eager), through ``wrap_triton`` while the op is traced (fake or proxy tensors).
-    ``wrap_triton`` in eager dispatches a higher-order op per launch: 28.5 ms of host time per
-    eager layer call at the Scout preset's TP 8 shapes against 10.9 ms launching directly (same
-    page as above)."""
+    ``wrap_triton`` in eager dispatches a higher-order op per launch, which multiplied an eager
+    layer call's host time at narrow (TP 8) shapes against launching directly."""
     return kernel if _plain(tensor) else wrap_triton(kernel)
 
 

@@ -3,8 +3,8 @@
 import torch
 
 # Elements per float64 chunk: a whole-tensor float64 copy of a GPT-OSS 120B weight gradient
-# ([128, 5760, 2880]) is 15.8 GiB, which ran an H100 out of memory in the preset benchmark
-# (docs/benchmarks/archive/2026-12-05-h100-group-amax-auto/).
+# ([128, 5760, 2880], 8 bytes an element) does not fit beside the benchmark's other tensors on
+# an 80 GB card: it ran an H100 out of memory in the preset benchmark.
 CHUNK = 1 << 24
 
 

@@ -56,10 +56,9 @@ tokens = compile_opaque("tokens_rowwise_fp8", _tokens, rows)
 
 
 # The forward weight cast takes the amax over N in the same read only for rows (K) longer than
-# this: on an H200 it was the fastest way for rows of 5120 and 8192 (0.74 ms for a Scout routed
-# weight, against 0.88 ms for the cast and torch's amax), but 2.5-7x slower than the cast and
-# torch's amax for rows of 1024-4096, the TP 2-8 shards of w2 (1.62 vs 0.43 ms at 4096;
-# docs/benchmarks/archive/2026-12-01-narrow-rows-tp-host-time/).
+# this: on an H200 it was the fastest way for rows of 5120 and 8192 (ahead of the cast and
+# torch's amax), but several times slower than those two for rows of 1024-4096, the TP 2-8
+# shards of w2 (timings in docs/benchmarks/README.md).
 FUSED_AMAX_MIN_ROW = 4097
 
 

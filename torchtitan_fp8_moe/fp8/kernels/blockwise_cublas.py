@@ -2,12 +2,11 @@
 per token group, where the GPU and the shapes allow; ``blockwise_gemm.py``'s Triton kernels
 elsewhere.
 
-Same operands and products as the Triton kernels (``blockwise_gemm.py``): on an H200 with torch
-2.11 the outputs were equal bit for bit and the GEMMs faster: forward 1.4x-1.5x, input gradient
-1.3x-1.5x, weight gradient 1.5x-1.8x at Scout's and DeepSeek-V3's shapes
-(docs/benchmarks/archive/2026-12-04-cublas-blockwise/). cuBLAS wants decode scales (the inverses
-of ours, exact for powers of 2) laid out column-major, and each group's bounds on the host
-(a copy that waits for the GPU, so this path is not CUDA-graph safe): eager calls read them
+Same operands and products as the Triton kernels (``blockwise_gemm.py``): on an H200 with torch 2.11
+the outputs were equal bit for bit and all three GEMMs (forward, input gradient, weight gradient)
+faster at Scout's and DeepSeek-V3's shapes (docs/benchmarks/README.md). cuBLAS wants decode scales
+(the inverses of ours, exact for powers of 2) laid out column-major, and each group's bounds on the
+host (a copy that waits for the GPU, so this path is not CUDA-graph safe): eager calls read them
 once per offsets tensor (``fp8/host_offsets.py``), compiled code (one opaque op) at every call,
 since it may hand the op a reused buffer whose new values bumped no version.
 

@@ -16,8 +16,8 @@ on the device only (no host sync), so they run under torch.compile and CUDA grap
 - ``blockwise_grouped_mm_wgrad(a, a_scale, g, g_scale, offs)``: ``dW_g[K, N] = a_g^T . g_g``, over
   the tokens of group g, per 128-token block (global blocks: group starts must be 128-aligned,
   as they are for these to be each group's own blocks); empty groups give 0.
-Any strides work; fp8 MMA on Hopper runs about 4x faster (docs/benchmarks/archive/
-2026-12-03-registry-kernels-blockwise/) when both operands have the contraction dim contiguous:
+Any strides work; fp8 MMA on Hopper runs several times faster when both operands have the
+contraction dim contiguous:
 ``a`` row-major and ``b`` with K contiguous; for the weight gradient, both token-contiguous.
 ``blockwise_quantize.py`` writes them so.
 - ``blockwise_mm``, ``blockwise_mm_wgrad``: the dense (one group, no ``offs``) forms.
@@ -40,7 +40,7 @@ def _configs() -> list[triton.Config]:
     """Each config costs a compile (seconds on a cold machine) at the first call of a shape.
     These four hold every winner of the eight 64/128-row tiles x 4/8 warps x 3/4 stages on an
     H200 at Scout's and DeepSeek-V3's shapes (GEMMs: 128 rows, 8 warps; weight gradient: 64
-    rows, 4 warps, 3 stages; docs/benchmarks/archive/2026-12-03-trainer-blockwise-64k/).
+    rows, 4 warps, 3 stages).
     Triton's interpreter cannot benchmark, so it gets one (with a tile that spans groups)."""
     if _INTERPRETED:
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=1)]
@@ -268,8 +268,8 @@ def check_wgrad_operands(a, a_scale, g, g_scale, offs) -> None:
 def empty_wgrad(groups: int, k: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
     """The weight gradient ``[G, K, N]`` N-major, the layout of torchtitan's expert weights (a
     ``[G, N, K]`` parameter that the GEMM reads transposed), as the rowwise recipe returns it:
-    autograd accumulates it without a copy (a strided copy of every expert weight otherwise, 13.7
-    ms per call of the Scout layer on an H200)."""
+    autograd accumulates it without a copy (a strided copy of every expert weight otherwise, a
+    large share of a layer call's time; docs/benchmarks/README.md)."""
     return torch.empty((groups, n, k), dtype=dtype, device=device).transpose(-2, -1)
 
 

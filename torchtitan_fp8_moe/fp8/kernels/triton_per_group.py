@@ -11,16 +11,15 @@ local expert those rows held whatever memory the outputs were given.
 Two ways to split the work, by how many programs one per (column block, group) would make:
 - enough (routed experts): one launch, each program takes one group's rows of its columns, the
   amax pass, then the cast pass, which reads them again from L2;
-- few (a shared expert is one group): one program per group streamed a whole expert's tokens,
-  and a few dozen programs did all the work, 2.0 ms per layer call at the Scout preset's TP 8
+- few (a shared expert is one group): one program per group streamed a whole expert's tokens, and a
+  few dozen programs did all the work, a large share of a layer call at the Scout preset's TP 8
   shapes (docs/benchmarks/presets/). Then programs take chunks of rows, which may span groups or
   split one: each chunk's column amaxes go to a zeroed buffer by atomic max, and a second launch
   casts with the finished scales (reading the tokens again from memory).
 Both tensors of the pair share each launch.
 
 No autotuning: torchao 0.18's kernel re-tunes 36 configurations for every new token count, which
-made expert-parallel steps 20x slower than bf16
-(docs/benchmarks/archive/2026-11-30-deepseek-check-ep-tp/); ours compiles once per dtype and
+made expert-parallel steps many times slower than bf16; ours compiles once per dtype and
 takes any M. A column's amax skips NaN (``tl.max``), so a NaN stays in its own element and
 its column's other values keep a finite scale.
 """
@@ -35,13 +34,12 @@ from .triton_rules import pow2_scale, saturate
 
 # Tile of one step: BLOCK_ROWS tokens x BLOCK_COLS columns, and the warps of a program. At
 # Scout's routed w2 operands (32K tokens in 16 groups, 8192 + 5120 columns) on an H200 it is
-# the fastest of nine tiles: 0.60 / 0.56 ms (balanced / skewed routing) against 0.66 / 0.68 for
-# the earlier 128 x 64 x 4 warps; a TP 8 shard's (5120 + 1024) 0.28 / 0.31 against 0.31 / 0.48.
-# One group (the chunked launches) 0.70 against 0.67, one run
-# (`scripts/bench_quantize.py --per-group-sweep`, docs/benchmarks/archive/2026-12-05-cast-tiles/).
+# the fastest of nine tiles, with balanced and skewed routing, ahead of the earlier 128 x 64 x 4
+# warps, also for a TP 8 shard (5120 + 1024); one group (the chunked launches) about even
+# (`scripts/bench_quantize.py --per-group-sweep`; timings in docs/benchmarks/README.md).
 BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 256, 64, 8
-# The whole-group kernel's cast pass takes the rows last first (``_cast_rows``): 4-6% faster at
-# this tile in all four cases above (the same page).
+# The whole-group kernel's cast pass takes the rows last first (``_cast_rows``): faster at this
+# tile in all four cases above.
 WHOLE_GROUP_DESCENDING = True
 # Row chunks are sized so that each launch has about this many programs: several per SM on an
 # H200 (132 SMs), whatever the groups.

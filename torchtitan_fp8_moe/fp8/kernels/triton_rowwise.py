@@ -1,8 +1,7 @@
 """Our own Triton kernel for rowwise fp8 quantization along a tensor's contiguous last dim.
 
-torchao's rowwise kernels read each row twice (once for the amax, once for the cast) and reached
-about 0.9 TB/s on an H200 for Llama4 activations
-(docs/benchmarks/archive/2026-11-29-first-h200-runs/). Here a program holds whole rows in registers,
+torchao's rowwise kernels read each row twice (once for the amax, once for the cast), well below
+the GPU's memory bandwidth for Llama4 activations. Here a program holds whole rows in registers,
 so each row is read once: amax, power-of-2 scale and cast in one pass. Same rules as
 ``quantize.py``: the scale is the largest power of two that keeps the row's amax within fp8 range
 (taken from the float's exponent bits, so it is exact), values saturate at +-FP8_MAX, and NaN stays
@@ -26,28 +25,25 @@ from .triton_rules import as_float32, pow2_scale, saturate
 # Rows up to this many elements fit one program's registers; longer rows are not supported here.
 MAX_ROW = 16384
 # A weight program's tile holds at most this many elements (4 rows of 8192 were the fastest
-# shape; 8 rows of 8192 spilled registers and ran 12x slower).
+# shape; 8 rows of 8192 spilled registers and ran many times slower).
 MAX_TILE = 32768
 # A weight program casts ROW_TILES tiles of TILE_ROWS rows, so that its column amax goes to
 # memory (one atomic max per column) once per TILE_ROWS * ROW_TILES rows, not per row. The
-# fastest of 7 shapes on an H200 (`scripts/bench_quantize.py --weights-only --sweep`,
-# docs/benchmarks/archive/2026-11-30-transposed-weight-cast/): 0.75 ms for a Scout routed
-# weight, against 0.54 ms for the cast alone; the transposed cast that uses the amax then takes
-# 0.49 ms instead of torchao's 0.85 ms. Small weights too (a shared expert, a TP 8 shard): one
-# tile per program, to spread them over more programs, was 1.3-3.5x slower on the H200
-# (docs/benchmarks/archive/2026-12-01-weight-cast-launches/).
+# fastest of the shapes swept (`scripts/bench_quantize.py --weights-only --sweep`): the column
+# amax costs less than the transposed cast saves by using it (it then reads the weight once
+# instead of twice, as torchao's does). Small weights too (a shared expert, a TP 8 shard): one
+# tile per program, to spread them over more programs, was slower.
 TILE_ROWS, ROW_TILES = 4, 16
 # fp32 weights (a lazy bf16 cast's, one device; fp32 parameters under autocast) take twice the
 # registers per row: half the tile and twice the tiles per program cast a Scout routed weight
-# in 1.01 / 0.90 ms (w1 / w2) against 1.84 / 1.47 ms at the bf16 shape, also faster than
-# casting to bf16 first and quantizing that (1.67 / 1.56 ms; an H200, `scripts/bench_quantize.py
-# --lazy-cast 1 --sweep`, docs/benchmarks/archive/2026-12-03-bit-identical-lazy-cast/).
+# faster than the bf16 shape does, and faster than casting to bf16 first and quantizing that
+# (`scripts/bench_quantize.py --lazy-cast 1 --sweep`; timings in docs/benchmarks/README.md).
 FP32_MAX_TILE, FP32_ROW_TILES = 16384, 32
 # Activation and gradient rows (no column amax): rows per tile, tiles per program, and warps
 # (None: one warp per 512 elements of the tile, 4 to 16, but 4 where a row is shorter than its
-# power-of-2 tile: 32K rows of 5120 / 2880 / 7168 took 0.122 / 0.083 / 0.167 ms at 4 warps
-# against 0.142 / 0.115 / 0.171 at 16 / 8 / 16; rows of 8192 are fastest at 16, on an H200,
-# `scripts/bench_quantize.py --rows-sweep`, docs/benchmarks/archive/2026-12-05-cast-tiles/).
+# power-of-2 tile: rows of 5120 / 2880 / 7168 are faster at 4 warps than at 16 / 8 / 16, rows
+# of 8192 are fastest at 16 (`scripts/bench_quantize.py --rows-sweep`; timings in
+# docs/benchmarks/README.md).
 ROWS_TILE_ROWS, ROWS_ROW_TILES, ROWS_WARPS = 1, 1, None
 MASKED_ROWS_WARPS = 4
 

@@ -3,8 +3,8 @@
 
 The scales come from an amax along N that the forward cast took in its own read of the weight
 (``triton_rowwise.py``), so this kernel reads the weight once. torchao 0.18's transposing cast
-reads it twice (an amax pass with atomics, then the cast) and took 0.85 ms for a Scout routed
-weight on an H200 (docs/benchmarks/archive/2026-11-30-per-group-kernel/). Same rules as
+reads it twice (an amax pass with atomics, then the cast), the slower way (timings of both:
+docs/benchmarks/README.md). Same rules as
 ``quantize.py``. CUDA only.
 """
 
