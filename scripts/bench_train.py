@@ -2,7 +2,7 @@
 
     python scripts/bench_train.py [--ngpu 1] [--config train_configs/llama4_scout_2layers.toml]
         [--variants bf16,float8_moe,bf16+compile,float8_moe+compile] [--repeat 3]
-        [--out docs/...json] [-- extra torchtitan overrides]
+        [--out outputs/benchmarks/h200_train.json] [-- extra torchtitan overrides]
 
 Variant suffixes: ``+compile`` (torch.compile), ``+cache`` (``--float8_moe.cache_fp8_weights``),
 ``+fp8ag`` (``--float8_moe.fp8_all_gather``: FSDP gathers fp8 payloads), ``+blockwise``

@@ -1,7 +1,7 @@
 """Summarize torch profiler traces of trainer steps: where the GPU time goes, bf16 vs float8_moe.
 
     python scripts/profile_summary.py LABEL=TRACE.json [LABEL=TRACE.json ...] [--top 15] [--gaps N]
-        [--out docs/benchmarks/....json]
+        [--out outputs/benchmarks/profile.json]
 
 Traces are what torchtitan writes with ``--profiling.enable_profiling`` (Chrome trace JSON,
 ``<dump>/profile_traces/iteration_N/rank0_trace.json``, or that file gzipped). Per trace: the
