@@ -5,7 +5,8 @@ blockwise recipe), eager and compiled.
 
     python scripts/bench_presets.py [--presets P,..] [--tokens 16384,..] [--modes eager,compiled]
         [--impls bf16,torchao,float8_moe,float8_moe_auto,float8_moe_measure,float8_moe_blockwise]
-        (a float8_moe impl may name its gemm_backend: float8_moe_auto:torch, float8_moe:fbgemm)
+        (a float8_moe impl may name its gemm_backend: float8_moe_auto:torch, float8_moe:fbgemm,
+        and run on torchtitan's own MoE forward: float8_moe_auto@stock)
         [--rounds 3]
         [--iters 10] [--label cold]
         [--budget-s S] [--profile] [--out outputs/benchmarks/presets.json] [--append]
@@ -68,6 +69,7 @@ BLOCKWISE = recipe_named("blockwise")
 # on other GPUs it times them, as float8_moe_measure does everywhere: measure.py).
 # float8_moe_blockwise: every expert weight in the blockwise recipe (token groups aligned to its
 # 128-token blocks).
+STOCK = "@stock"  # an impl on torchtitan's own MoE forward (``split_impl``)
 IMPLS = (
     "bf16",
     "torchao",
@@ -187,14 +189,15 @@ def build_layer(preset: Preset, device: torch.device, shrink: int = 1) -> nn.Mod
 def split_impl(impl: str) -> tuple[str, str | None]:
     """``(implementation, gemm_backend)`` of an ``--impls`` entry: ``float8_moe_auto:fbgemm`` is
     ``float8_moe_auto`` with ``gemm_backend = "fbgemm"``; without a suffix the package's
-    default."""
+    default. ``@stock`` after the name (``float8_moe_auto@stock:torch``): on torchtitan's own
+    MoE forward, without float8_moe's routed path (``routed_dispatch.py``)."""
     base, _, gemm_backend = impl.partition(":")
-    return base, gemm_backend or None
+    return base.removesuffix(STOCK), gemm_backend or None
 
 
-def impl_order(impl: str) -> tuple[int, str]:
+def impl_order(impl: str) -> tuple[int, bool, str]:
     base, gemm_backend = split_impl(impl)
-    return IMPLS.index(base), gemm_backend or ""
+    return IMPLS.index(base), STOCK in impl, gemm_backend or ""
 
 
 def ordered_impls(rows) -> list[str]:
@@ -202,6 +205,7 @@ def ordered_impls(rows) -> list[str]:
 
 
 def convert(layer: nn.Module, impl: str, emulate: bool, tokens: int, mode: str) -> nn.Module:
+    stock = STOCK in impl
     impl, gemm_backend = split_impl(impl)
     gemm = {"gemm_backend": gemm_backend} if gemm_backend else {}
     if impl == "torchao":
@@ -247,6 +251,10 @@ def convert(layer: nn.Module, impl: str, emulate: bool, tokens: int, mode: str) 
             compiled=mode == "compiled",
             **gemm,
         )
+    if stock:
+        from torchtitan_fp8_moe import routed_dispatch
+
+        routed_dispatch.uninstall(layer)
     return layer
 
 

@@ -162,3 +162,9 @@ def test_the_scan_finds_each_kind_of_use():
 def test_every_listed_torch_name_resolves_in_this_torch():
     """CI runs this on torch 2.13 and 2.15; the torchtitan names are checked in tests_v03."""
     assert torch_private.unresolved() == []
+
+
+def test_the_private_torchtitan_022_names_resolve():
+    """The torchtitan table's 0.2.2 entries on the installed 0.2.2 (tests_v03/ checks 0.3's)."""
+    on_v022 = {n: p for n, p in PRIVATE_TORCHTITAN.items() if "0.2.2" in p.checked}
+    assert torch_private.unresolved(on_v022) == []

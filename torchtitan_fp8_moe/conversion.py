@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from . import gemm_choice
+from . import gemm_choice, routed_dispatch
 from .compile_cache import key_compile_caches
 from .fp8.kernels.gemm_backends import GemmChoice
 from .fp8.recipes import Recipe
@@ -175,6 +175,7 @@ def convert(
         from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
         set_token_group_alignment_size_m(alignment)
+    routed_dispatch.install(model)
     key_compile_caches(model)
     return plan
 

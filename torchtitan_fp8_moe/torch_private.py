@@ -130,8 +130,15 @@ PRIVATE_TORCH: dict[str, Private] = {
     ),
 }
 
-# torchtitan 0.3's glue (torchtitan_v03/), checked on torchtitan 0.3.0 (tests_v03/).
+# torchtitan's: 0.3's glue (torchtitan_v03/), checked on torchtitan 0.3.0 (tests_v03/), and
+# 0.2.2's, checked on 0.2.2 (tests/).
 PRIVATE_TORCHTITAN: dict[str, Private] = {
+    "torchtitan.models.moe.moe._run_experts_grouped_mm": Private(
+        "routed_dispatch.py",
+        "the experts' SwiGLU of grouped GEMMs, called on the input routed_dispatch gathered "
+        "(torchtitan's GroupedExperts.forward would pad it a second time)",
+        ("0.2.2",),
+    ),
     "torchtitan.components.quantization.float8._float8_experts_cache": Private(
         "torchtitan_v03/converter.py",
         "the experts torchtitan's own fp8 converter made (refused: quantized twice)",

@@ -5,13 +5,14 @@ with the same rule, and the two weight gradients cast them per group twice in ba
 backward, then SiLU's, then w1's). One slot per process holds the last cast. The next call takes
 it if it casts the same memory (same tensor or view of the same base, data pointer, shape,
 strides, dtype), unchanged since (the version counter, which views share), with the same cast
-function and the same other inputs (by identity); every take empties the slot, hit or miss, so
-the slot holds at most one activation's fp8 copy, until the next cast that looks in it or the
-first backward (which drops a forward cast: the last forward's is never reused); a cast kept
-in a backward is dropped when that backward ends, so none lives on into the next step (where
-it moved the allocator's layout from step to step and fragmented it). Writes
-that bypass the version counter (through ``x.data`` or raw pointers) are not seen: do not make
-them between two expert GEMMs.
+function and the same other inputs (by identity); every take empties the slot, hit or miss
+(but for a hit on a cast kept for several takes, as ``routed_dispatch.py`` keeps the tokens'
+gathered cast for w1 and w3), so the slot holds at most one activation's fp8 copy, until the
+next cast that looks in it or the first backward (which drops a forward cast: the last
+forward's is never reused); a cast kept in a backward is dropped when that backward ends, so
+none lives on into the next step (where it moved the allocator's layout from step to step and
+fragmented it). Writes that bypass the version counter (through ``x.data`` or raw pointers)
+are not seen: do not make them between two expert GEMMs.
 
 Eager only: a Python side table would break a compiled graph. There the rowwise recipe's CUDA
 casts of the tokens are pure custom ops, whose equal calls AOTAutograd merges
@@ -34,6 +35,7 @@ class _Kept(NamedTuple):
     version: int
     others: tuple
     result: object
+    uses: int  # takes that return it before the slot empties
 
 
 class _Slot:
@@ -78,7 +80,11 @@ def take(cast: Callable, x: torch.Tensor, *others: torch.Tensor):
     if not _keepable(x):
         return None
     kept, _slot.kept = _slot.kept, None
-    return kept.result if _matches(kept, cast, x, others) else None
+    if not _matches(kept, cast, x, others):
+        return None
+    if kept.uses > 1:
+        _slot.kept = _Kept(*kept[:-1], kept.uses - 1)
+    return kept.result
 
 
 def holds(cast: Callable, x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -86,16 +92,17 @@ def holds(cast: Callable, x: torch.Tensor, *others: torch.Tensor) -> bool:
     return _keepable(x) and _matches(_slot.kept, cast, x, others)
 
 
-def keep(cast: Callable, x: torch.Tensor, others: tuple, result) -> None:
-    """Keep ``result``, the output of ``cast`` on ``x`` and ``others``, for the next ``take``."""
+def keep(cast: Callable, x: torch.Tensor, others: tuple, result, uses: int = 1) -> None:
+    """Keep ``result``, the output of ``cast`` on ``x`` and ``others``, for the next ``uses``
+    takes that match it (a miss still empties the slot)."""
     if not _keepable(x):
         return
-    kept = _Kept(cast, weakref.ref(_base(x)), _layout(x), x._version, others, result)
+    kept = _Kept(cast, weakref.ref(_base(x)), _layout(x), x._version, others, result, uses)
     _slot.kept = kept
     if torch._C._current_graph_task_id() != -1:  # in a backward: drop it when that ends
 
         def drop():
-            if _slot.kept is kept:
+            if _slot.kept is not None and _slot.kept.result is kept.result:
                 _slot.kept = None
 
         torch.autograd.Variable._execution_engine.queue_callback(drop)

@@ -34,6 +34,9 @@ class Recipe:
     reads_offsets_on_host: bool = False
     # The GEMM backends its CUDA GEMMs can run on (kernels/gemm_backends.py; "torch": its own).
     gemm_backend_names: tuple[str, ...] = ("torch",)
+    # Whether ``quantizers().tokens`` casts each row alone, into an fp8 row and scales that row
+    # gathers carry along (``routed_dispatch.py`` then casts each token once, not per routed copy).
+    token_cast_is_row_local: bool = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -25,6 +25,7 @@ class RowwiseRecipe(Recipe):
     name = "rowwise"
     description = "fp8 rowwise"
     has_cost_model = True
+    token_cast_is_row_local = True  # [M, K] fp8 rows, [M, 1] scales
     gemm_backend_names = gemm_backends.BACKENDS
 
     def quantizers(self, emulate: bool) -> ModuleType:
