@@ -67,8 +67,9 @@ def test_routed_path_equals_torchtitans(monkeypatch, device, experts, top_k, sha
             base.router.gate.weight.zero_()
             base.expert_bias = torch.linspace(4.0, -4.0, experts, device=device)
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
-    torchtitan_fp8_moe.convert(ours, policy="always")
-    torchtitan_fp8_moe.convert(theirs, policy="always")
+    emulate = device == "cpu"
+    torchtitan_fp8_moe.convert(ours, policy="always", emulate=emulate)
+    torchtitan_fp8_moe.convert(theirs, policy="always", emulate=emulate)
     routed_dispatch.uninstall(theirs)
     assert "forward" in ours.__dict__ and "forward" not in theirs.__dict__
     x = torch.randn(2, 24, DIM, dtype=torch.bfloat16, device=device)
@@ -109,7 +110,27 @@ def test_not_installed_where_scores_precede_the_experts():
     assert "forward" not in layer.__dict__
 
 
-def test_torchtitans_forward_where_no_routed_weight_is_converted():
+def test_torchtitans_forward_where_the_routed_experts_are_not_selected():
     layer = _layer(8, 2, 1)
-    torchtitan_fp8_moe.convert(layer, fqns=["shared_experts"], policy="always")
+    torchtitan_fp8_moe.convert(layer, fqns=["shared_experts"], policy="always", emulate=True)
     assert "forward" not in layer.__dict__
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_routed_experts_kept_bf16_take_the_routed_path_too(device):
+    """No routed weight converted (the policy kept them bf16): the same gathers, no fp8 cast;
+    the output is torchtitan's bit for bit."""
+    if device == "cpu":
+        cpu.enable_moe_ops()
+    base = _layer(8, 4, 1).to(device)
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    for layer in (ours, theirs):
+        torchtitan_fp8_moe.convert(layer, fqns=["shared_experts"], policy="always", emulate=True)
+        routed_dispatch.install(layer, {layer.experts})
+    routed_dispatch.uninstall(theirs)
+    assert "forward" in ours.__dict__
+    x = torch.randn(2, 24, DIM, dtype=torch.bfloat16, device=device)
+    out, x_grad, _ = _run(ours, x)
+    want_out, want_x_grad, _ = _run(theirs, x)
+    assert torch.equal(out, want_out)
+    torch.testing.assert_close(x_grad, want_x_grad, rtol=1e-2, atol=1e-5)

@@ -175,7 +175,7 @@ def convert(
         from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 
         set_token_group_alignment_size_m(alignment)
-    routed_dispatch.install(model)
+    routed_dispatch.install(model, {module for _, module in targets})
     key_compile_caches(model)
     return plan
 

@@ -14,8 +14,9 @@ commute with row gathers, so here:
   rows are cast by the same rule, so the forward is bit-identical to torchtitan's;
 - one index, ``combine_positions``, maps each (token, k) to its row of the experts' output; one
   gather puts the outputs in token order for the top-k combine.
-Installed by ``convert`` on each torchtitan 0.2.2 ``MoE`` whose routed experts it converted and
-that scores after the experts (DeepSeek-V3, Qwen3; Llama4 scores the routed copies before the
+Installed by ``convert`` on each torchtitan 0.2.2 ``MoE`` whose routed experts ``fqns`` selects
+(also where the policy keeps their weights bf16: the gathers gain as much) and that scores
+after the experts (DeepSeek-V3, Qwen3; Llama4 scores the routed copies before the
 experts, which changes their values per copy). Where the experts are sharded by tensor or
 expert parallelism (DTensor weights: torchtitan's dispatch then runs an all-to-all in the
 experts' hooks), or run without grouped GEMMs, each call runs torchtitan's forward.
@@ -125,9 +126,10 @@ def routed_forward(self, x: torch.Tensor) -> torch.Tensor:
     return (out + out_experts).reshape(bs, slen, dim)
 
 
-def install(model: nn.Module) -> int:
-    """Give each torchtitan 0.2.2 ``MoE`` of ``model`` whose routed experts hold a converted
-    weight and that scores after the experts the routed path above; returns how many."""
+def install(model: nn.Module, selected: set[nn.Module]) -> int:
+    """Give each torchtitan 0.2.2 ``MoE`` of ``model`` whose routed experts are among the
+    ``selected`` expert modules (``float8_moe.fqns``: converted, or kept bf16 by the policy) and
+    that scores after the experts the routed path above; returns how many."""
     try:
         from torchtitan.models.moe.moe import MoE
         from torchtitan.tools.logging import logger
@@ -137,9 +139,7 @@ def install(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is not MoE or module.score_before_experts:
             continue
-        experts = module.experts
-        weights = (getattr(experts, name, None) for name in ("w1", "w2", "w3"))
-        if not any(isinstance(w, Float8MoEWeight) for w in weights):
+        if module.experts not in selected:
             continue
         module.forward = types.MethodType(routed_forward, module)
         installed += 1
