@@ -32,9 +32,16 @@ import traceback
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# What every launch's processes need before their imports: one thread per rank (2 cores), and no
-# Hugging Face network access (read at import).
-LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# What every launch's processes need before their imports: one thread per rank (2 cores), no
+# Hugging Face network access (read at import), and torch.cuda.is_available() by NVML: its
+# default check initializes the CUDA driver, and a fork of a process whose driver is initialized
+# cannot use CUDA ("CUDA error: initialization error" at the ranks' first pinned copy).
+LAUNCH_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+}
 SERVER_START_TIMEOUT_S = 300
 _scripts: dict[str, object] = {}  # path -> the script's module, imports done
 
