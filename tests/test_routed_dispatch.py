@@ -4,6 +4,7 @@ the order of summation, each token cast once in the forward; under skewed routin
 no token), with and without a shared expert, eager (emulated fp8 on CPU)."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -134,3 +135,26 @@ def test_routed_experts_kept_bf16_take_the_routed_path_too(device):
     want_out, want_x_grad, _ = _run(theirs, x)
     assert torch.equal(out, want_out)
     torch.testing.assert_close(x_grad, want_x_grad, rtol=1e-2, atol=1e-5)
+
+
+def test_no_eager_cast_for_experts_torchtitan_compiled(monkeypatch):
+    """torchtitan's compile.enable compiles the experts' function, whose casts never take the
+    eager cast: the routed path then casts nothing itself (only the gathers stay)."""
+    from torchtitan.models.moe import moe
+
+    cpu.enable_moe_ops()
+    layer = _layer(8, 4, 0)
+    torchtitan_fp8_moe.convert(layer, policy="always", emulate=True)
+    original = moe._run_experts_grouped_mm
+
+    @functools.wraps(original)
+    def wrapped(*args):  # what torch.compile hands torchtitan: a wrapper of the function
+        return original(*args)
+
+    monkeypatch.setattr(moe, "_run_experts_grouped_mm", wrapped)
+    quantize = recipe_named("rowwise").quantizers(emulate=True)
+    cast_rows = []
+    tokens = quantize.tokens
+    monkeypatch.setattr(quantize, "tokens", lambda t: cast_rows.append(t.shape[0]) or tokens(t))
+    _run(layer, torch.randn(2, 24, DIM, dtype=torch.bfloat16))
+    assert 2 * 24 + 1 not in cast_rows, cast_rows

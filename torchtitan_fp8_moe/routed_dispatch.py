@@ -111,9 +111,12 @@ def routed_forward(self, x: torch.Tensor) -> torch.Tensor:
     x_ext = torch.cat([x, x.new_zeros(1, dim)])
     routed_input = x_ext[rows]
     w1, w2, w3 = experts.w1, experts.w2, experts.w3
-    if _shares_input(w1, w3):
+    run_experts = moe._run_experts_grouped_mm
+    # Under torchtitan's compile.enable this function is compiled (``apply_compile``), and
+    # compiled casts do not read the eager cast kept for them.
+    if _shares_input(w1, w3) and not hasattr(run_experts, "__wrapped__"):
         gather_cast(x_ext, rows, routed_input, w1)
-    routed_output = moe._run_experts_grouped_mm(w1, w2, w3, routed_input, padded_counts)
+    routed_output = run_experts(w1, w2, w3, routed_input, padded_counts)
     out = self.shared_experts(x) if self.shared_experts is not None else None
     routed_output_unsorted = routed_output[positions].reshape(-1, top_k, dim)
     out_experts = (
