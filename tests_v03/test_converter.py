@@ -16,7 +16,8 @@ from torchtitan.trainer import Trainer
 import torchtitan_fp8_moe
 from torchtitan_fp8_moe import Float8MoEWeight, torch_private
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
-from torchtitan_fp8_moe.torchtitan_v03 import Float8MoEConverter, preflight, run
+from torchtitan_fp8_moe.run_context import RunContext, planning
+from torchtitan_fp8_moe.torchtitan_v03 import Float8MoEConverter, preflight
 from torchtitan_fp8_moe.torchtitan_v03 import config_registry as entries
 
 ALWAYS = [Float8MoEConverter.Config(policy="always")]
@@ -103,13 +104,9 @@ def _trainer_config(**parallelism) -> Trainer.Config:
 
 
 def _plan_for(config: Trainer.Config, world_size: int):
-    previous = run.plan_world_size
-    run.plan_world_size = world_size
-    try:
+    with planning(RunContext(world_size=world_size)):
         config.model_spec.model.update_from_config(config=config)
-        return {row.fqn: row for row in _meta_model(config.model_spec.model).float8_moe_shard_plan}
-    finally:
-        run.plan_world_size = previous
+    return {row.fqn: row for row in _meta_model(config.model_spec.model).float8_moe_shard_plan}
 
 
 @pytest.mark.parametrize("world_size, shard_dim", [(8, 0), (16, 1)])
