@@ -325,3 +325,18 @@ def test_the_private_torchtitan_names_the_glue_uses_resolve():
     """torchtitan_fp8_moe/torch_private.py's torchtitan table (tests/test_torch_private.py checks
     that it lists every private torchtitan name the package uses)."""
     assert torch_private.unresolved(torch_private.PRIVATE_TORCHTITAN) == []
+
+
+def test_the_config_holds_the_settings_fields_and_gives_them_back():
+    """``Float8MoEConverter.Config`` is generated from ``Float8MoESettings``: the same fields
+    and defaults, mutable as 0.3's configs are, read back by ``settings()``."""
+    from torchtitan_fp8_moe import Float8MoESettings
+
+    names = [f.name for f in dataclasses.fields(Float8MoESettings)]
+    config = Float8MoEConverter.Config()
+    assert [f.name for f in dataclasses.fields(config)][-len(names) :] == names
+    assert config.settings() == Float8MoESettings()
+    config.policy = "always"
+    assert config.settings() == Float8MoESettings(policy="always")
+    assert Float8MoEConverter.Config.__qualname__ == "Float8MoEConverter.Config"
+    assert isinstance(config.build(), Float8MoEConverter)
