@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torchtitan.config import ConfigManager
 from torchtitan.protocols.train_spec import get_train_spec
 
-import torchtitan_fp8_moe  # noqa: F401 - registers float8_moe
+import torchtitan_fp8_moe.config  # noqa: F401 - registers float8_moe and the models
 from torchtitan_fp8_moe.cpu import enable_moe_ops
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 

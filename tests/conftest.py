@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 from harness.fork_launch import ForkServer
 
+# What a job's custom_config_module does: registers float8_moe and the bundled models, which
+# the tests build by name (importing the package alone registers nothing).
+import torchtitan_fp8_moe.config  # noqa: F401
+
 TESTS_DIR = Path(__file__).parent
 DIST_WORKER = TESTS_DIR / "harness" / "dist_worker.py"
 _launch_cache: dict[tuple[str, int], list[dict]] = {}

@@ -13,7 +13,7 @@ from test_converter import CUSTOM_CONFIG, _convert, _converted_names, _expected,
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.protocols.train_spec import get_train_spec
 
-from torchtitan_fp8_moe import Float8MoEWeight, convert, format_plan
+from torchtitan_fp8_moe import Float8MoESettings, Float8MoEWeight, convert, format_plan
 from torchtitan_fp8_moe.cpu import enable_moe_ops
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 
@@ -137,3 +137,36 @@ def test_fp8_kernel_shape_refusal_names_the_cause(hidden, tp, cause):
     assert re.search(cause, message), message
     assert ("tensor_parallel_degree" in message) == (tp > 1), message
     assert 'float8_moe.policy = "auto"' in message and "float8_moe.fqns" in message, message
+
+
+def test_convert_takes_a_settings_object_and_keyword_options_alike():
+    """``convert(model, settings)``: the same plan as the options as keywords; keywords
+    override the settings' fields, and an unknown one is refused."""
+    settings = Float8MoESettings(fqns=["experts"], policy="always")
+    by_object = convert(_llama4(), settings, emulate=True)
+    by_keywords = convert(_llama4(), fqns=["experts"], policy="always", emulate=True)
+    assert by_object == by_keywords
+    overridden = convert(_llama4(), settings, fqns=["shared_expert"], emulate=True)
+    assert overridden and all(".shared_experts." in row.fqn for row in overridden)
+    with pytest.raises(TypeError, match="polcy"):
+        convert(_llama4(), polcy="always")
+
+
+def test_the_run_context_reaches_the_converter_explicitly_or_by_its_scope():
+    """A converter plans for the context it is given, else for the scope's
+    (``run_context.planning``); the scope ends where it is left."""
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_fp8_moe import Float8MoEConverter, run_context
+    from torchtitan_fp8_moe.run_context import RunContext
+
+    job_config = ConfigManager().parse_args([CUSTOM_CONFIG, "--model.converters=float8_moe"])
+    cuda = RunContext(plan_target="cuda")
+    assert Float8MoEConverter(job_config, _parallel_dims(1), cuda).path == "cuda"
+    with run_context.planning(cuda):
+        converter = Float8MoEConverter(job_config, _parallel_dims(1))
+    assert converter.context == cuda and not converter.context.launching
+    assert run_context.current() == RunContext()
+    trainer = Float8MoEConverter(job_config, _parallel_dims(1))
+    assert trainer.context.launching
+    assert trainer.path == ("cuda" if torch.cuda.is_available() else "emulated")

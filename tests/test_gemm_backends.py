@@ -236,12 +236,13 @@ def test_the_recipes_cuda_calls_into_fbgemm_give_the_emulated_products(fake_fbge
 
 def test_the_log_line_names_the_gemm_backend_on_the_cuda_path_only():
     """The emulated path multiplies in fp32 math: no kernels to name."""
+    from torchtitan_fp8_moe import Float8MoESettings
     from torchtitan_fp8_moe.run_checks import conversion_message
 
+    settings = Float8MoESettings(policy="always", gemm_backend="fbgemm")
+
     def line(path):
-        _, text = conversion_message(
-            [], 0, path, "why", "always", None, False, False, "fp8 rowwise", "fbgemm"
-        )
+        _, text = conversion_message([], 0, settings, path, "why", None)
         return text.splitlines()[0]
 
     assert ", GEMM backend fbgemm, fp8 weight cache off" in line("cuda")

@@ -12,7 +12,7 @@ from expert_modules import build_expert_module
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 
-from torchtitan_fp8_moe import converter as converter_module
+from torchtitan_fp8_moe import run_context
 from torchtitan_fp8_moe.converter import Float8MoEConverter
 from torchtitan_fp8_moe.preflight import main, planning_for
 
@@ -223,7 +223,7 @@ def test_target_cpu_plans_the_emulated_path(capsys):
     assert rc == 0
     assert "emulated path (no CUDA device)" in out
     assert len(_rows(r"^layers\.\S+ +\[.*\] +8 +0 .* emulated ", out)) == 18
-    assert converter_module.plan_target is None  # the trainer's behaviour is back
+    assert run_context.current() == run_context.RunContext()  # the trainer's behaviour is back
 
 
 def _tiny_expert_converter(target: str) -> Float8MoEConverter:

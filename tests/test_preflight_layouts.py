@@ -30,7 +30,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torchtitan.protocols.train_spec import get_train_spec
 
-import torchtitan_fp8_moe  # noqa: F401 - registers float8_moe and llama4_grouped_shared
+import torchtitan_fp8_moe.config  # noqa: F401 - registers float8_moe and llama4_grouped_shared
 from torchtitan_fp8_moe.preflight import main as preflight_main
 
 REPO = Path(__file__).resolve().parent.parent

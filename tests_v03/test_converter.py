@@ -16,7 +16,8 @@ from torchtitan.trainer import Trainer
 import torchtitan_fp8_moe
 from torchtitan_fp8_moe import Float8MoEWeight, torch_private
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
-from torchtitan_fp8_moe.torchtitan_v03 import Float8MoEConverter, preflight, run
+from torchtitan_fp8_moe.run_context import RunContext, planning
+from torchtitan_fp8_moe.torchtitan_v03 import Float8MoEConverter, preflight
 from torchtitan_fp8_moe.torchtitan_v03 import config_registry as entries
 
 ALWAYS = [Float8MoEConverter.Config(policy="always")]
@@ -103,13 +104,9 @@ def _trainer_config(**parallelism) -> Trainer.Config:
 
 
 def _plan_for(config: Trainer.Config, world_size: int):
-    previous = run.plan_world_size
-    run.plan_world_size = world_size
-    try:
+    with planning(RunContext(world_size=world_size)):
         config.model_spec.model.update_from_config(config=config)
-        return {row.fqn: row for row in _meta_model(config.model_spec.model).float8_moe_shard_plan}
-    finally:
-        run.plan_world_size = previous
+    return {row.fqn: row for row in _meta_model(config.model_spec.model).float8_moe_shard_plan}
 
 
 @pytest.mark.parametrize("world_size, shard_dim", [(8, 0), (16, 1)])
@@ -329,3 +326,18 @@ def test_the_private_torchtitan_names_the_glue_uses_resolve():
     that it lists every private torchtitan name the package uses): those checked on 0.3.0."""
     on_v03 = {n: p for n, p in torch_private.PRIVATE_TORCHTITAN.items() if "0.3.0" in p.checked}
     assert torch_private.unresolved(on_v03) == []
+
+
+def test_the_config_holds_the_settings_fields_and_gives_them_back():
+    """``Float8MoEConverter.Config`` is generated from ``Float8MoESettings``: the same fields
+    and defaults, mutable as 0.3's configs are, read back by ``settings()``."""
+    from torchtitan_fp8_moe import Float8MoESettings
+
+    names = [f.name for f in dataclasses.fields(Float8MoESettings)]
+    config = Float8MoEConverter.Config()
+    assert [f.name for f in dataclasses.fields(config)][-len(names) :] == names
+    assert config.settings() == Float8MoESettings()
+    config.policy = "always"
+    assert config.settings() == Float8MoESettings(policy="always")
+    assert Float8MoEConverter.Config.__qualname__ == "Float8MoEConverter.Config"
+    assert isinstance(config.build(), Float8MoEConverter)

@@ -1,10 +1,10 @@
 """``convert``: give a model's MoE expert weights fp8 training (rowwise or blockwise), in one call.
 
-The torchtitan converter (``converter.py``) calls it with the job's settings; without torchtitan's
-trainer, call it on any module tree before parallelizing it::
+Either torchtitan version's converter calls it with the job's ``Float8MoESettings``; without
+torchtitan's trainer, call it on any module tree before parallelizing it::
 
-    from torchtitan_fp8_moe import convert
-    plan = convert(model, fqns=["experts", "shared_experts"])
+    from torchtitan_fp8_moe import Float8MoESettings, convert
+    plan = convert(model, Float8MoESettings(fqns=["experts", "shared_experts"]))
 
 It picks the expert modules whose FQN contains one of ``fqns`` (``swap.py`` says how expert
 modules are recognised), swaps their weights for ``Float8MoEWeight`` and returns one
@@ -25,7 +25,7 @@ from .fp8.kernels.gemm_backends import GemmChoice
 from .fp8.recipes import Recipe
 from .measure import Timing, WeightCase, time_cases, timing_device
 from .policy import POLICIES, fp8_gain_ms, times_weights
-from .settings import fqn_entries
+from .settings import DEFAULT_FQNS, Float8MoESettings, fqn_entries
 from .sharding import ShardPlanRow, plan_expert_weight, plan_weight, with_all_gather
 from .swap import (
     compact_fqns,
@@ -43,57 +43,59 @@ from .weight import WeightConfig, fp8_kernels_available
 if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims
 
-DEFAULT_FQNS = ("experts", "shared_expert")
-
 
 def convert(
     model: nn.Module,
+    settings: Float8MoESettings | None = None,
     *,
-    fqns: Sequence[str] | str = DEFAULT_FQNS,
-    recipe: str = "rowwise",
     emulate: bool | None = None,
-    cache_fp8_weights: bool = False,
-    fp8_all_gather: bool = False,
     parallel_dims: "ParallelDims | None" = None,
     all_gather_dtype: torch.dtype | None = None,
     path: str | None = None,
-    policy: str = "auto",
     tokens: int | None = None,
     compiled: bool = False,
     align_token_groups: bool = True,
     time_weights: bool = True,
-    gemm_backend: str = "auto",
+    **options,
 ) -> list[ShardPlanRow]:
     """Convert ``model``'s expert modules in place and return the shard plan of their weights.
 
-    ``fqns``: FQN substrings of the expert modules to convert (none may be empty; one string is
-    one entry or a comma-separated list, ``settings.fqn_entries``).
-    ``recipe``: how the fp8 GEMMs scale their operands, "rowwise" or "blockwise" (``config.py``).
-    ``emulate``: run fp8 numerics emulated (quantize, dequantize, fp32 matmul); None: emulate
-    unless a CUDA device with fp8 tensor cores (sm89+) is present.
-    ``cache_fp8_weights``, ``fp8_all_gather``: ``config.py`` describes them.
+    ``settings``: the `float8_moe` options (``settings.Float8MoESettings`` documents each; None:
+    its defaults); ``options``, keywords of the same names, override them
+    (``convert(model, fqns=["experts"], policy="always")``).
+    ``emulate``: the fp8 path, decided: True runs fp8 numerics emulated (quantize, dequantize,
+    fp32 matmul), False the CUDA kernels; None: emulated where ``settings.emulate`` is set or no
+    CUDA device with fp8 tensor cores (sm89+) is present.
     ``parallel_dims``: torchtitan's ``ParallelDims`` to plan the shards for; None plans one
     device. ``all_gather_dtype``: the dtype FSDP all-gathers (its ``param_dtype``; None: the
     weight's). ``path``: the fp8 path's name in the plan (default "emulated" or "cuda").
-    ``policy``: "always" converts every selected weight; "auto" keeps in bf16 the weights whose
-    fp8 GEMMs are slower than bf16's at ``tokens`` tokens per rank and micro-batch, eager or
-    ``compiled``: estimated by the cost model on an H200 or without a GPU (``policy.py``),
-    timed on this GPU otherwise (``measure.py``); "measure" times them on an H200 too. The plan
-    row says why. The emulated path has no speed to gain or lose and converts every weight
-    under any policy; ``time_weights=False`` never times (preflight: the launch's GPUs are not
-    this machine's). ``align_token_groups``: on
+    ``tokens``: the tokens per rank and micro-batch a deciding policy ("auto", "measure")
+    decides at, eager or ``compiled``: the cost model estimates them on an H200 or without a
+    GPU (``policy.py``), this GPU times them otherwise (``measure.py``). The plan row says why.
+    The emulated path has no speed to gain or lose and converts every weight under any
+    policy; ``time_weights=False`` never times (preflight: the launch's GPUs are not this
+    machine's). ``align_token_groups``: on
     CUDA, set torchtitan 0.2.2's token-group alignment for fp8 GEMMs (torchtitan 0.3 pads the
     groups in its token dispatcher instead: ``torchtitan_v03/converter.py`` sets it up).
-    ``gemm_backend``: which kernels run each fp8 GEMM on CUDA, "torch", "fbgemm" or "auto" (the
-    fastest on this GPU at ``tokens`` tokens; ``gemm_choice.py``); the plan row names them where
-    another than torch's could run. The emulated path and ``time_weights=False`` choose none.
+    The plan row names the GEMMs' backends (``gemm_choice.py``) where another than torch's could
+    run; the emulated path and ``time_weights=False`` choose none.
     """
+    settings = replace(settings or Float8MoESettings(), **options)
+    fqns, recipe, policy, gemm_backend = (
+        settings.fqns,
+        settings.recipe,
+        settings.policy,
+        settings.gemm_backend,
+    )
     if policy not in POLICIES:
         raise ValueError(f"float8_moe: policy {policy!r} is not one of {list(POLICIES)}")
     targets = select_expert_modules(model, fqns)
     if emulate is None:
-        emulate = not (torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda")))
-    config = WeightConfig(recipe, emulate, cache_fp8_weights, fp8_all_gather)
+        emulate = settings.emulate or not (
+            torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda"))
+        )
+    fp8_all_gather = settings.fp8_all_gather
+    config = WeightConfig(recipe, emulate, settings.cache_fp8_weights, fp8_all_gather)
     fp8_recipe = config.fp8_recipe
     gemm_choice.check_option(gemm_backend, fp8_recipe)
     alignment = fp8_recipe.token_group_alignment(emulate)

@@ -1,15 +1,18 @@
 """The `float8_moe` model converter: picks the expert modules, swaps their weights for
-`Float8MoEWeight`, and plans each weight's FSDP shards before torchtitan calls `fully_shard`."""
+`Float8MoEWeight`, and plans each weight's FSDP shards before torchtitan calls `fully_shard`.
+Registered with torchtitan 0.2.2 as `float8_moe` by ``config.py``, the job's
+`custom_config_module`."""
+
+from dataclasses import replace
 
 import torch
 import torch._inductor.config
 import torch.nn as nn
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
-from .config import Float8MoE
+from . import run_context
 from .conversion import convert, select_expert_modules
 from .fp8.recipes import recipe_named
 from .fp8.weight_cache import clear_all as clear_fp8_weight_caches
@@ -23,7 +26,8 @@ from .run_checks import (
     disable_compile_caches_for_tensor_parallelism,
     tokens_per_microbatch,
 )
-from .settings import check_setting_types, fqn_entries
+from .run_context import RunContext
+from .settings import Float8MoESettings, check_setting_types, fqn_entries
 from .sharding import ShardPlanRow
 from .swap import is_grouped_experts
 
@@ -32,11 +36,6 @@ _LINEAR_CONVERTERS = {
     "quantize.linear.float8": lambda job_config: job_config.quantize.linear.float8.filter_fqns,
     "quantize.linear.mx": lambda job_config: job_config.quantize.linear.mx.filter_fqns,
 }
-
-# The device to plan the fp8 path for. None (the trainer): this machine's. "cuda" or "cpu" (the
-# preflight): a launch on that device, planned where it may be absent, with that path's checks;
-# the GPUs' fp8 support is not checked, as the model never runs.
-plan_target: str | None = None
 
 
 def _check_cpu_composition(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
@@ -88,8 +87,16 @@ def _check_blockwise_compile_backend(backend: str) -> None:
 
 
 class Float8MoEConverter:
-    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
-        config: Float8MoE | None = getattr(job_config, "float8_moe", None)
+    def __init__(
+        self,
+        job_config: JobConfig,
+        parallel_dims: ParallelDims,
+        context: RunContext | None = None,
+    ):
+        """``context``: where the run runs; None: ``run_context.current()`` (the trainer's,
+        or preflight's inside its ``planning`` scope), read once, here."""
+        self.context = run_context.current() if context is None else context
+        config: Float8MoESettings | None = getattr(job_config, "float8_moe", None)
         if config is None:
             raise ValueError(
                 "float8_moe: the job config has no [float8_moe] section; set "
@@ -98,8 +105,7 @@ class Float8MoEConverter:
         check_setting_types(config)
         self.recipe = recipe_named(config.recipe)  # raises naming the option when unknown
         self.policy = config.policy  # checked by conversion.convert
-        self.gemm_backend = config.gemm_backend
-        check_gemm_backend(self.gemm_backend, self.recipe)
+        check_gemm_backend(config.gemm_backend, self.recipe)
         training = job_config.training
         self.tokens = tokens_per_microbatch(
             training.local_batch_size,
@@ -109,9 +115,9 @@ class Float8MoEConverter:
             parallel_dims.cp,
         )
         self.compiled = job_config.compile.enable and "model" in job_config.compile.components
-        self.fqns = fqn_entries(config.fqns)
-        self.cache_fp8_weights = config.cache_fp8_weights
-        self.fp8_all_gather = config.fp8_all_gather
+        # The options, fqns as their entries (a TOML string may list them).
+        self.settings = replace(config, fqns=fqn_entries(config.fqns))
+        self.fqns = self.settings.fqns
         self.parallel_dims = parallel_dims
         self.linear_converter_filters = {
             name: filter_fqns(job_config)
@@ -124,13 +130,14 @@ class Float8MoEConverter:
             else None
         )
         check_fp8_all_gather_dtype(
-            self.fp8_all_gather, self.all_gather_dtype, job_config.training.mixed_precision_param
+            config.fp8_all_gather, self.all_gather_dtype, job_config.training.mixed_precision_param
         )
         check_data_parallelism(parallel_dims)
-        on_cuda = torch.cuda.is_available() if plan_target is None else plan_target == "cuda"
-        if not on_cuda:
+        if not self.context.on_cuda():
             _check_cpu_composition(job_config, parallel_dims)
-        self.emulate, self.path, self.path_reason = choose_fp8_path(config.emulate, plan_target)
+        self.emulate, self.path, self.path_reason = choose_fp8_path(
+            config.emulate, self.context.plan_target
+        )
         if self.compiled and self.emulate and self.recipe.name == "blockwise":
             _check_blockwise_compile_backend(job_config.compile.backend)
         if job_config.compile.enable:
@@ -147,35 +154,27 @@ class Float8MoEConverter:
         targets = select_expert_modules(model, self.fqns)
         for module_fqn, module in targets:
             self._check_not_claimed_by_linear_converters(module_fqn, module)
+        launching = self.context.launching  # preflight plans another machine's GPUs
         self.shard_plan = convert(
             model,
-            fqns=self.fqns,
-            recipe=self.recipe.name,
+            self.settings,
             emulate=self.emulate,
-            cache_fp8_weights=self.cache_fp8_weights,
-            fp8_all_gather=self.fp8_all_gather,
             parallel_dims=self.parallel_dims,
             all_gather_dtype=self.all_gather_dtype,
             path=self.path,
-            policy=self.policy,
             tokens=self.tokens,
             compiled=self.compiled,
-            time_weights=plan_target is None,  # preflight plans another machine's GPUs
-            gemm_backend=self.gemm_backend,
+            time_weights=launching,
         )
-        if plan_target is not None:
+        if not launching:
             return  # preflight prints the plan itself, once
         warn, message = conversion_message(
             self.shard_plan,
             len(targets),
+            self.settings,
             self.path,
             self.path_reason,
-            self.policy,
             self.tokens,
-            self.cache_fp8_weights,
-            self.fp8_all_gather,
-            self.recipe.description,
-            self.gemm_backend,
             compiled=self.compiled,
         )
         (logger.warning if warn else logger.info)(message)
@@ -194,6 +193,3 @@ class Float8MoEConverter:
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         # The weights just changed: their fp8 copies are stale (and their memory is freed).
         clear_fp8_weight_caches()
-
-
-register_model_converter(Float8MoEConverter, "float8_moe")

@@ -37,7 +37,12 @@ def _shard_in_buffer(fsdp_param: FSDPParam) -> bool:
 
 
 def install() -> None:
-    """Patch ``FSDPParam.reset_sharded_param`` once per process."""
+    """Patch ``FSDPParam.reset_sharded_param`` once per process (idempotent): torch's own
+    re-pads every tensor-subclass shard into a new buffer (its "TODO: need to support tensor
+    subclass", torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so an uneven shard of a
+    converted weight leaves the state dict taken before viewing its old storage. Called where
+    weights are converted (``swap.swap_expert_weights``, under either torchtitan version's
+    converter and ``convert``), never at import."""
     reset = FSDPParam.reset_sharded_param
     if getattr(reset, "_keeps_fp8_shard_buffer", False):
         return

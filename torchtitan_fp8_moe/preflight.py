@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn as nn
@@ -38,9 +38,9 @@ from torchtitan.protocols.model_converter import (
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.utils import set_default_dtype
 
-from . import converter as converter_module
 from .converter import Float8MoEConverter
 from .run_checks import check_cpu_context_parallelism, describe_policy, tokens_per_microbatch
+from .run_context import RunContext, planning
 from .sharding import expert_fsdp_degree, format_plan, plan_expert_weight
 
 EXIT_OK = 0
@@ -145,15 +145,10 @@ def build_meta_model(job_config: JobConfig) -> tuple[nn.Module, BaseModelArgs]:
     return model, model_args
 
 
-@contextmanager
-def planning_for(target: str) -> Iterator[None]:
-    """Have the float8_moe converter plan the fp8 path of `target`, whatever this machine has."""
-    previous = converter_module.plan_target
-    converter_module.plan_target = target
-    try:
-        yield
-    finally:
-        converter_module.plan_target = previous
+def planning_for(target: str) -> AbstractContextManager[RunContext]:
+    """Have the float8_moe converters built inside plan the fp8 path of `target`, whatever this
+    machine has."""
+    return planning(RunContext(plan_target=target))
 
 
 def convert(

@@ -7,7 +7,9 @@ import torch
 import torch._inductor.config
 from torchtitan.tools.logging import logger
 
+from .fp8.recipes import recipe_named
 from .policy import CALIBRATION
+from .settings import Float8MoESettings
 from .sharding import ShardPlanRow, format_plan
 from .weight import fp8_kernels_available
 
@@ -162,32 +164,31 @@ def describe_weight_cache(plan: list[ShardPlanRow], cache_fp8_weights: bool, com
 def conversion_message(
     plan: list[ShardPlanRow],
     modules: int,
+    settings: Float8MoESettings,
     path: str,
     path_reason: str,
-    policy: str,
     tokens: int | None,
-    cache_fp8_weights: bool,
-    fp8_all_gather: bool,
-    recipe_description: str = "fp8 rowwise",
-    gemm_backend: str = "torch",
     compiled: bool = False,
 ) -> tuple[bool, str]:
     """(warn, text) of the converter's log line: how many weights went fp8, and the plan;
     ``compiled``: the model runs under torch.compile (``describe_weight_cache``)."""
     fp8_rows = [row for row in plan if row.fp8]
     kept = len(plan) - len(fp8_rows)
+    policy = settings.policy
     text = (
         f"float8_moe: converted {len(fp8_rows)} expert weights of {modules} modules to "
-        f"{recipe_description}, {path} path ({path_reason}), {describe_policy(policy, path, plan)}"
+        f"{recipe_named(settings.recipe).description}, {path} path ({path_reason}), "
+        f"{describe_policy(policy, path, plan)}"
         + (
             f" (kept {kept} in bf16 at {tokens} tokens per rank and micro-batch, the plan says "
             'why; policy = "always" forces fp8)'
             if kept
             else ""
         )
-        + (f", GEMM backend {gemm_backend}" if path == "cuda" else "")  # emulated: no kernels
-        + f", {describe_weight_cache(plan, cache_fp8_weights, compiled)}, "
-        f"fp8 all-gather {'on' if fp8_all_gather else 'off'}; FSDP shard plan:\n"
+        # The emulated path runs no kernels.
+        + (f", GEMM backend {settings.gemm_backend}" if path == "cuda" else "")
+        + f", {describe_weight_cache(plan, settings.cache_fp8_weights, compiled)}, "
+        f"fp8 all-gather {'on' if settings.fp8_all_gather else 'off'}; FSDP shard plan:\n"
         + format_plan(plan)
     )
     return not fp8_rows, text

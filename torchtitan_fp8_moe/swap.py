@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from . import fsdp_shard_buffer
 from .fp8.kernels.gemm_backends import GemmChoice
 from .tensor_parallel import Float8MoELinear
 from .weight import Float8MoEWeight, WeightConfig
@@ -196,6 +197,9 @@ def swap_expert_weights(
     if names is not None:
         owners = [owner for owner in owners if owner[0] in names]
     partners = same_input_weights([name for name, _, _ in owners])  # both converted
+    if owners:
+        # Uneven FSDP2 shards of converted weights keep their storage (state dicts stay live).
+        fsdp_shard_buffer.install()
     swapped = []
     for name, owner, attr in owners:
         param = getattr(owner, attr)

@@ -4,9 +4,7 @@ on a machine without CUDA, the CPU adjustments of `cpu.py`. Arguments are torcht
 import torch
 from torchtitan.tools.logging import init_logger
 
-import torchtitan_fp8_moe  # noqa: F401 - registers float8_moe and the models
-
-from . import cpu
+from . import config, cpu  # noqa: F401 - config registers float8_moe and the models
 
 
 def run() -> None:

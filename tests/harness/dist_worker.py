@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 # The tests folder: expert_modules and this package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torchtitan_fp8_moe.config  # noqa: E402, F401 - registers float8_moe and the bundled models
 from harness.suites import (  # noqa: E402
     blockwise,
     cache_writes,

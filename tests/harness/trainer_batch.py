@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torchtitan.config import ConfigManager
 from torchtitan.tools.logging import init_logger, logger
 
-import torchtitan_fp8_moe  # noqa: F401 - registers float8_moe and the models
+import torchtitan_fp8_moe.config  # noqa: F401 - registers float8_moe and the models
 from torchtitan_fp8_moe import cpu
 
 

@@ -10,7 +10,7 @@ converter does (``conversion.convert``: selection by structure, policy, FSDP/TP/
 weight swap) and logs the shard plan, before torchtitan parallelizes it.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 
 import torch
 import torch.nn as nn
@@ -21,50 +21,52 @@ from torchtitan.components.quantization.utils import swap_token_dispatcher
 from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.tools.logging import logger
 
-from ..conversion import DEFAULT_FQNS, convert, select_expert_modules
+from ..conversion import convert, select_expert_modules
 from ..fp8.quantize import FP8_MATRIX_ALIGNMENT
 from ..fp8.recipes import recipe_named
 from ..gemm_choice import check_option as check_gemm_backend
 from ..policy import POLICIES
 from ..run_checks import conversion_message
-from ..settings import check_setting_types
+from ..settings import Float8MoESettings, check_setting_types
 from .run import Run
+
+
+def _settings_config(base: type) -> type:
+    """``base`` (0.3's converter config) with the fields of ``Float8MoESettings``, mutable as
+    0.3's configs are (config entries set them after building the model config), and
+    ``settings()`` to read them as ``Float8MoESettings``."""
+
+    def settings(self) -> Float8MoESettings:
+        """This config's options."""
+        options = {f.name: getattr(self, f.name) for f in fields(Float8MoESettings)}
+        return Float8MoESettings(**options)
+
+    config = make_dataclass(
+        "Config",
+        [
+            (f.name, f.type, field(default=f.default, default_factory=f.default_factory))
+            for f in fields(Float8MoESettings)
+        ],
+        bases=(base,),
+        namespace={"settings": settings},
+        kw_only=True,
+        slots=True,
+    )
+    config.__module__ = __name__
+    config.__qualname__ = "Float8MoEConverter.Config"
+    config.__doc__ = (
+        "The `float8_moe` options (``torchtitan_fp8_moe/settings.py``'s ``Float8MoESettings`` "
+        "documents each one), and 0.3's ``model_compile_enabled``. With torchtitan 0.3 recipe "
+        '"rowwise" only; "experts" of ``fqns`` matches 0.3\'s routed '
+        "``moe.routed_experts.inner_experts`` and shared ``moe.shared_experts``."
+    )
+    return config
 
 
 class Float8MoEConverter(QuantizationConverter):
     """fp8 rowwise training of the routed experts (and shared experts) of 0.3's MoE models."""
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(QuantizationConverter.Config):
-        """The settings of 0.2.2's `[float8_moe]` section (``torchtitan_fp8_moe/config.py``
-        says each one's meaning in full)."""
-
-        recipe: str = "rowwise"
-        """fp8 scaling recipe; with torchtitan 0.3 only "rowwise" (power-of-2 scales per row,
-        float8_e4m3fn): "blockwise" runs with torchtitan 0.2.2 for now."""
-
-        fqns: list[str] | str = field(default_factory=lambda: list(DEFAULT_FQNS))
-        """Module FQN substrings of the expert modules to convert (a string: one, or a
-        comma-separated list); "experts" matches 0.3's routed
-        ``moe.routed_experts.inner_experts`` and shared ``moe.shared_experts``."""
-
-        policy: str = "auto"
-        """"auto": keep bf16 the weights whose fp8 GEMMs are slower at this run's per-rank
-        shapes and tokens, estimated on an H200 (policy.py), timed at start-up on other GPUs
-        (measure.py); "measure": time them on an H200 too; "always": convert every one."""
-
-        gemm_backend: str = "auto"
-        """The fp8 GEMMs' kernels on CUDA: "auto" (the fastest installed, timed at start-up),
-        "torch" or "fbgemm" (fbgemm-gpu-genai)."""
-
-        emulate: bool = False
-        """Emulated fp8 (quantize, dequantize, fp32 matmul); always on without CUDA."""
-
-        cache_fp8_weights: bool = False
-        """Quantize each expert weight once per optimizer step and reuse it."""
-
-        fp8_all_gather: bool = False
-        """Under FSDP, quantize each expert weight on its shard and all-gather fp8."""
+    Config = _settings_config(QuantizationConverter.Config)
 
     def __init__(self, config: Config):
         check_setting_types(config)
@@ -143,39 +145,27 @@ def float8_moe_model_class(model_cls: type) -> type:
     return Float8MoEModel
 
 
-def convert_experts(model: nn.Module, settings: Float8MoEConverter.Config, run: Run) -> None:
+def convert_experts(model: nn.Module, config: Float8MoEConverter.Config, run: Run) -> None:
     """Convert the built ``model``'s expert modules for ``run`` and log their shard plan."""
+    settings = config.settings()
     emulate, path, path_reason = run.fp8_path(settings)
     targets = select_expert_modules(model, settings.fqns)
     plan = convert(
         model,
-        fqns=settings.fqns,
+        settings,
         emulate=emulate,
-        cache_fp8_weights=settings.cache_fp8_weights,
-        fp8_all_gather=settings.fp8_all_gather,
         parallel_dims=run.plan_dims,
         all_gather_dtype=run.all_gather_dtype,
         path=path,
-        policy=settings.policy,
         tokens=run.tokens,
         compiled=run.compiled,
         align_token_groups=False,  # the token dispatcher pads them (Float8MoEConverter.convert)
-        time_weights=run.launching,
-        gemm_backend=settings.gemm_backend,
+        time_weights=run.context.launching,
     )
     model.float8_moe_shard_plan = plan
-    if not run.launching:
+    if not run.context.launching:
         return  # preflight prints the plan itself, once
     warn, message = conversion_message(
-        plan,
-        len(targets),
-        path,
-        path_reason,
-        settings.policy,
-        run.tokens,
-        settings.cache_fp8_weights,
-        settings.fp8_all_gather,
-        compiled=run.compiled,
-        gemm_backend=settings.gemm_backend,
+        plan, len(targets), settings, path, path_reason, run.tokens, compiled=run.compiled
     )
     (logger.warning if warn else logger.info)(message)

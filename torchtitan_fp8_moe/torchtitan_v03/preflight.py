@@ -17,8 +17,8 @@ import torch
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 
+from ..run_context import RunContext, planning
 from ..sharding import format_plan
-from . import run
 from .converter import ConvertedModelConfig
 
 EXIT_OK = 0
@@ -54,14 +54,10 @@ def plan(module: str, config_name: str, ngpu: int, target: str, overrides: list[
             f"{module}.{config_name}: its model's converters hold no Float8MoEConverter.Config; "
             "add one (torchtitan_fp8_moe/torchtitan_v03/config_registry.py shows how)"
         )
-    previous = run.plan_target, run.plan_world_size
-    run.plan_target, run.plan_world_size = target, ngpu
-    try:
+    with planning(RunContext(plan_target=target, world_size=ngpu)):
         model_config.update_from_config(config=config)
         with torch.device("meta"):
             model = model_config.build()
-    finally:
-        run.plan_target, run.plan_world_size = previous
     return config, model.float8_moe_shard_plan
 
 

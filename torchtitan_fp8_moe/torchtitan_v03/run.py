@@ -2,13 +2,15 @@
 config (``Run.capture``, from the model config's ``update_from_config``), with the checks
 0.2.2's converter makes on them (``run_checks.py``)."""
 
+import functools
+
 import torch
 import torch._inductor.config
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 
+from .. import run_context
 from ..fp8.weight_cache import clear_all as clear_fp8_weight_caches
 from ..run_checks import (
     check_cpu_context_parallelism,
@@ -23,10 +25,6 @@ from ..settings import check_setting_types
 # torchtitan 0.3's parallelization backend float8_moe is tested with: DTensor parameters over the
 # TP/EP meshes and FSDP2, as in 0.2.2. (0.3's default, "spmd_types", fails on CPU in bf16 too.)
 TESTED_SPMD_BACKEND = "partial_dtensor"
-# The device to plan for. None (the trainer): this machine's; "cuda" / "cpu": preflight's target.
-plan_target: str | None = None
-# The world size to plan for where no process group runs (preflight); None: the process group's.
-plan_world_size: int | None = None
 
 
 class ExpertPlanDims:
@@ -49,6 +47,7 @@ class Run:
     one device, like ``convert`` without ``parallel_dims``."""
 
     def __init__(self):
+        self.context = run_context.current()
         self.plan_dims: ExpertPlanDims | None = None
         self.tokens: int | None = None
         self.compiled = False
@@ -59,6 +58,8 @@ class Run:
         does at construction; the settings again, as a config entry may set them after
         building the model config (``tests_v03/entries.py`` does)."""
         check_setting_types(settings)
+        # Where it runs: the trainer's machine, or preflight's target (run_context.planning).
+        self.context = run_context.current()
         training, parallelism = trainer_config.training, trainer_config.parallelism
         if parallelism.spmd_backend != TESTED_SPMD_BACKEND:
             raise ValueError(
@@ -67,8 +68,7 @@ class Run:
                 f"(--parallelism.spmd_backend {TESTED_SPMD_BACKEND}, or in the config entry; "
                 "torchtitan_fp8_moe/torchtitan_v03/config_registry.py's entries do)"
             )
-        world_size = plan_world_size or (dist.get_world_size() if dist.is_initialized() else 1)
-        dims = ParallelDims.from_config(parallelism, world_size)
+        dims = ParallelDims.from_config(parallelism, self.context.ranks())
         self.tokens = tokens_per_microbatch(
             training.local_batch_size,
             training.seq_len,
@@ -84,7 +84,7 @@ class Run:
         check_data_parallelism(dims)
         self.plan_dims = ExpertPlanDims(dims)
         self.fp8_path(settings)  # a GPU without fp8 fails here, before anything is built
-        if not _on_cuda():
+        if not self.context.on_cuda():
             check_cpu_context_parallelism(dims)
         if compile_config.enable:
             # Inductor otherwise fuses the bf16 -> fp32 -> fp8 casts of the quantization into
@@ -96,12 +96,7 @@ class Run:
             _clear_caches_after_optimizer_steps()
 
     def fp8_path(self, settings) -> tuple[bool, str, str]:
-        return choose_fp8_path(settings.emulate, plan_target)
-
-    @property
-    def launching(self) -> bool:
-        """False while preflight plans the run for another machine's GPUs."""
-        return plan_target is None
+        return choose_fp8_path(settings.emulate, self.context.plan_target)
 
     def to_dict(self) -> dict:
         """What the trainer's config dump shows of it."""
@@ -112,19 +107,12 @@ class Run:
         }
 
 
-def _on_cuda() -> bool:
-    return torch.cuda.is_available() if plan_target is None else plan_target == "cuda"
-
-
-_optimizer_hook = None
-
-
-def _clear_caches_after_optimizer_steps() -> None:
+@functools.cache
+def _clear_caches_after_optimizer_steps():
     """0.3 converters have no post-optimizer hook: a global one frees the fp8 weight copies,
-    stale once the weights changed (0.2.2's converter does it in its post_optimizer_hook).
-    Imported from ``torch.optim.optimizer``: ``torch.optim`` deletes its ``optimizer`` name."""
-    global _optimizer_hook
-    if _optimizer_hook is None:
-        _optimizer_hook = register_optimizer_step_post_hook(
-            lambda optimizer, args, kwargs: clear_fp8_weight_caches()
-        )
+    stale once the weights changed (0.2.2's converter does it in its post_optimizer_hook); one
+    per process. Imported from ``torch.optim.optimizer``: ``torch.optim`` deletes its
+    ``optimizer`` name."""
+    return register_optimizer_step_post_hook(
+        lambda optimizer, args, kwargs: clear_fp8_weight_caches()
+    )
