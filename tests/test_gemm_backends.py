@@ -113,7 +113,12 @@ def test_a_forced_backend_that_does_not_load_is_an_error_naming_the_install(fbge
     "option, recipe, error",
     [
         ("cutlass", ROWWISE, "gemm_backend 'cutlass' is not one of"),
-        ("fbgemm", BLOCKWISE, "recipe 'blockwise' runs its GEMMs on \\['torch'\\] only"),
+        (
+            "fbgemm",
+            BLOCKWISE,
+            "recipe 'blockwise' runs its GEMMs on \\['torch', 'deepgemm'\\] only",
+        ),
+        ("deepgemm", ROWWISE, "recipe 'rowwise' runs its GEMMs on \\['torch', 'fbgemm'\\] only"),
     ],
 )
 def test_the_option_is_checked(option, recipe, error):

@@ -23,7 +23,7 @@ from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig, fp8_kernels
 if not (torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda"))):
     pytest.skip("needs a CUDA device with fp8 (sm89+)", allow_module_level=True)
 
-OTHERS = [name for name in gemm_backends.BACKENDS if name != "torch"]
+OTHERS = [name for name in rowwise.RowwiseRecipe.gemm_backend_names if name != "torch"]
 E, N, K, M = 4, 1536, 1024, 4096
 OFFS = [512, 512, 2560, 4000]  # an empty group, 96 rows of no group
 

@@ -1,15 +1,15 @@
 """``[float8_moe] gemm_backend``: the backend (``fp8/kernels/gemm_backends.py``) of each fp8 GEMM
 of a converted weight, chosen when the converter runs.
 
-"torch" and "fbgemm" name one backend for every GEMM; a form the named backend lacks (fbgemm's
-weight gradient of grouped experts) runs on torch's. "auto" times, on this GPU at start-up, each
-backend that loads on each of the weight's GEMMs (forward, input gradient, weight gradient) at
-the rows it multiplies per micro-batch (even token groups, fp8 operands in the layouts the
-recipe's quantizers write), and keeps the fastest; a backend other than torch's only where it
-saves at least ``MARGIN`` of torch's time. Timings are kept per GEMM shape, so the weights of one
-shape (w1 and w3, every layer) are timed once, and each timed shape is logged. Without a GPU to
-time on, or without the token count, "auto" keeps torch's. Each rank chooses alone: the backends
-compute the same products, rounded alike up to accumulation order.
+"torch", "fbgemm" and "deepgemm" name one backend for every GEMM; a form the named backend
+lacks (fbgemm's weight gradient of grouped experts) runs on torch's. "auto" times, on this GPU at
+start-up, each backend that loads on each of the weight's GEMMs (forward, input gradient, weight
+gradient) at the rows it multiplies per micro-batch (even token groups, fp8 operands in the
+layouts the recipe's quantizers write), and keeps the fastest; a backend other than torch's only
+where it saves at least ``MARGIN`` of torch's time. Timings are kept per GEMM shape, so the
+weights of one shape (w1 and w3, every layer) are timed once, and each timed shape is logged.
+Without a GPU to time on, or without the token count, "auto" keeps torch's. Each rank chooses
+alone: the backends compute the same products, rounded alike up to accumulation order.
 """
 
 import logging
@@ -61,11 +61,18 @@ def has_choices(gemm_backend: str, recipe: Recipe) -> bool:
     return gemm_backend != "torch"
 
 
-def gemms_of(weight_shape: tuple[int, ...], rows: int) -> dict[str, tuple]:
+def gemms_of(weight_shape: tuple[int, ...], rows: int, recipe: Recipe) -> dict[str, tuple]:
     """The (form, dims) of each GEMM of a weight of local shape ``[E, N, K]`` (or a linear's
     ``[N, K]``) multiplied by ``rows`` rows: dense ``(M, K, N)``, m-grouped ``(M, K, N, G)``,
-    k-grouped ``(P, M, Q, G)`` (``gemm_backends``' argument names)."""
+    k-grouped ``(P, M, Q, G)`` (``gemm_backends``' argument names); blockwise m-grouped
+    ``(M, K, N, G)``, k-grouped ``(M, K, N, G)`` (``a [M, K]``, ``grad [M, N]``)."""
     groups, n, k = (1, *weight_shape) if len(weight_shape) == 2 else weight_shape
+    if recipe.gemm_forms == "blockwise":
+        return {
+            "forward": ("blockwise_m_grouped", (rows, k, n, groups)),
+            "input_grad": ("blockwise_m_grouped", (rows, n, k, groups)),
+            "weight_grad": ("blockwise_k_grouped", (rows, k, n, groups)),
+        }
     if groups == 1:
         return {
             "forward": ("dense", (rows, k, n)),
@@ -91,7 +98,7 @@ def choose(
     named one where it has the form (raises naming the install command where it does not
     load), else each GEMM's fastest on ``device`` at ``rows`` rows, token groups a multiple of
     ``alignment`` rows."""
-    gemms = gemms_of(weight_shape, rows or 1)
+    gemms = gemms_of(weight_shape, rows or 1, recipe)
     if gemm_backend != "auto":
         named = gemm_backends.backend(gemm_backend)
         return GemmChoice(
@@ -135,8 +142,9 @@ def _pick(times: dict[str, float]) -> str:
 
 
 def _operands(form: str, dims: tuple, alignment: int, device, generator) -> tuple:
-    """Random fp8 operands and positive scales of one GEMM, in the layouts the rowwise recipe
-    hands the backends: ``a`` row-major, ``b`` column-major; even token groups."""
+    """Random fp8 operands and positive scales of one GEMM, in the layouts the recipe hands the
+    backends (rowwise: ``a`` row-major, ``b`` column-major; blockwise: its CUDA quantizers'
+    outputs); even token groups."""
 
     def fp8(*shape):
         return torch.randn(shape, device=device, generator=generator).to(FP8_DTYPE)
@@ -148,6 +156,8 @@ def _operands(form: str, dims: tuple, alignment: int, device, generator) -> tupl
         per_group = max(alignment, rows // groups // alignment * alignment)
         return torch.arange(1, groups + 1, dtype=torch.int32, device=device) * per_group
 
+    if form.startswith("blockwise_"):
+        return _blockwise_operands(form, dims, offsets, device, generator)
     if form == "dense":
         m, k, n = dims
         return fp8(m, k), scales(m, 1), fp8(n, k).t(), scales(1, n)
@@ -157,6 +167,24 @@ def _operands(form: str, dims: tuple, alignment: int, device, generator) -> tupl
         return fp8(m, k), scales(m), b, scales(groups, n), offsets(m, groups)
     p, m, q, groups = dims
     return fp8(p, m), scales(groups * p), fp8(q, m).t(), scales(groups * q), offsets(m, groups)
+
+
+def _blockwise_operands(form: str, dims: tuple, offsets, device, generator) -> tuple:
+    """The blockwise recipe's CUDA quantizers' outputs for random bf16 values."""
+    from .fp8 import blockwise_triton_quantize as quantize  # Triton: CUDA only
+
+    def values(*shape):
+        return torch.randn(shape, device=device, generator=generator, dtype=torch.bfloat16)
+
+    m, k, n, groups = dims
+    offs = offsets(m, groups)
+    if form == "blockwise_m_grouped":
+        a, a_scale = quantize.rows(values(m, k))
+        b, b_scale, _ = quantize.weight(values(groups, n, k).transpose(-2, -1))
+        return a, a_scale, b, b_scale, offs, torch.bfloat16
+    a, a_scale, grad, grad_scale = quantize.per_group_pair(values(m, k), values(m, n), offs)
+    tiles = -(-m // 128)
+    return a, a_scale[:tiles], grad, grad_scale[:tiles], offs, torch.bfloat16
 
 
 def _time(form: str, dims: tuple, names: list[str], alignment: int, device) -> dict[str, float]:

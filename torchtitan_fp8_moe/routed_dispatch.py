@@ -13,7 +13,11 @@ commute with row gathers, so here:
   and w3's forward GEMMs take instead of casting the gathered rows (``cast_reuse``); the same
   rows are cast by the same rule, so the forward is bit-identical to torchtitan's;
 - one index, ``combine_positions``, maps each (token, k) to its row of the experts' output; one
-  gather puts the outputs in token order for the top-k combine.
+  gather puts the outputs in token order for the top-k combine;
+- on CUDA the combine (gather, fp32 weighting by the scores, sum over top_k) is one pass, and
+  so is its backward; the dispatch gather's backward sums each token's top_k rows, found by
+  ``combine_positions``, instead of autograd's sort-based accumulation into the gathered rows
+  (``routed_kernels.py``). Elsewhere torch's ops do the same.
 Installed by ``convert`` on each torchtitan 0.2.2 ``MoE`` whose routed experts ``fqns`` selects
 (also where the policy keeps their weights bf16: the gathers gain as much) and that scores
 after the experts (DeepSeek-V3, Qwen3; Llama4 scores the routed copies before the
@@ -27,6 +31,7 @@ import types
 import torch
 import torch.nn as nn
 
+from . import routed_kernels
 from .fp8 import cast_reuse
 from .weight import Float8MoEWeight
 
@@ -71,6 +76,53 @@ def gather_cast(x_ext: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, weight
     cast_reuse.keep(quantize.tokens, a, (), cast, uses=2)
 
 
+class _RoutedRows(torch.autograd.Function):
+    """``x_ext[rows]`` for ``x_ext = [x; 0]``, differentiable in ``x``: the gradient of token t
+    is the sum of the gradients of its top_k rows, ``positions[t, :]``."""
+
+    @staticmethod
+    def forward(ctx, x, x_ext, rows, positions):
+        ctx.save_for_backward(positions)
+        return x_ext[rows]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (positions,) = ctx.saved_tensors
+        if grad.is_cuda:
+            return routed_kernels.token_sum(grad.contiguous(), positions), None, None, None
+        per_token = grad[positions].sum(1, dtype=torch.float32).to(grad.dtype)
+        return per_token, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """torchtitan's top-k combine of the experts' output rows: ``bmm(scores [T, 1, k],
+    rows[positions].float())`` in ``rows``' dtype; ``owner``: each row's ``t * k + j``, or -1
+    for a padding row."""
+
+    @staticmethod
+    def forward(ctx, rows, positions, scores, owner):
+        ctx.save_for_backward(rows, positions, scores, owner)
+        if rows.is_cuda:
+            return routed_kernels.combine(rows, positions, scores)
+        weighted = torch.bmm(scores.unsqueeze(1), rows[positions].float())
+        return weighted.squeeze(1).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, positions, scores, owner = ctx.saved_tensors
+        if rows.is_cuda:
+            grad_rows, grad_scores = routed_kernels.combine_backward(
+                grad, rows, positions, scores, owner
+            )
+        else:
+            grad_fp32 = grad.float()
+            grad_scores = torch.einsum("td,tkd->tk", grad_fp32, rows[positions].float())
+            per_copy = scores.unsqueeze(-1) * grad_fp32.unsqueeze(1)
+            grad_rows = torch.zeros_like(rows)
+            grad_rows[positions.reshape(-1)] = per_copy.to(rows.dtype).reshape(-1, rows.shape[1])
+        return grad_rows, None, grad_scores.to(scores.dtype), None
+
+
 def _shares_input(w1, w3) -> bool:
     return (
         isinstance(w1, Float8MoEWeight)
@@ -108,8 +160,11 @@ def routed_forward(self, x: torch.Tensor) -> torch.Tensor:
         )
         rows = padded_rows(token_indices_sorted, top_k, permuted_indices, tokens)
         positions = combine_positions(token_indices_sorted, permuted_indices)
-    x_ext = torch.cat([x, x.new_zeros(1, dim)])
-    routed_input = x_ext[rows]
+        owner = torch.full_like(rows, -1)
+        owner[positions] = torch.arange(positions.numel(), device=rows.device)
+        positions = positions.view(tokens, top_k)
+        x_ext = torch.cat([x, x.new_zeros(1, dim)])
+    routed_input = _RoutedRows.apply(x, x_ext, rows, positions)
     w1, w2, w3 = experts.w1, experts.w2, experts.w3
     run_experts = moe._run_experts_grouped_mm
     # Under torchtitan's compile.enable this function is compiled (``apply_compile``), and
@@ -118,12 +173,7 @@ def routed_forward(self, x: torch.Tensor) -> torch.Tensor:
         gather_cast(x_ext, rows, routed_input, w1)
     routed_output = run_experts(w1, w2, w3, routed_input, padded_counts)
     out = self.shared_experts(x) if self.shared_experts is not None else None
-    routed_output_unsorted = routed_output[positions].reshape(-1, top_k, dim)
-    out_experts = (
-        torch.bmm(top_scores.reshape(-1, 1, top_k), routed_output_unsorted.float())
-        .to(x.dtype)
-        .squeeze(1)
-    )
+    out_experts = _Combine.apply(routed_output, positions, top_scores.view(tokens, top_k), owner)
     if out is None:
         return out_experts.reshape(bs, slen, dim)
     return (out + out_experts).reshape(bs, slen, dim)

@@ -1,9 +1,9 @@
-"""The rowwise recipe's fp8 GEMMs behind one interface per GEMM form, with a backend per kernel
-library: ``torch`` (always there) and ``fbgemm`` (fbgemm-gpu-genai's CUTLASS kernels, where
-installed for the running torch).
+"""The recipes' fp8 GEMMs behind one interface per GEMM form, with a backend per kernel library:
+``torch`` (always there), ``fbgemm`` (fbgemm-gpu-genai's CUTLASS kernels) and ``deepgemm``
+(DeepGEMM's sm90 kernels), each where installed for the running torch.
 
-The forms (operands fp8 e4m3, scales fp32 multipliers, the inverses of the recipe's scales;
-output bf16; fast accumulation):
+The rowwise forms (operands fp8 e4m3, scales fp32 multipliers, the inverses of the recipe's
+scales; output bf16; fast accumulation):
 
 - ``m_grouped(a [M, K], a_inv [M], b [G, K, N], b_inv [G, N], offs)`` -> ``[M, N]``: per group
   ``a_g @ b[g]``, the groups' rows ending at ``offs`` (int32). The forward and the input
@@ -14,10 +14,17 @@ output bf16; fast accumulation):
   experts, linears).
 
 ``a`` is row-major; ``b`` is read with its contraction dim contiguous (column-major), as the
-recipe's quantizers write it: any other layout is copied first. A backend that lacks a form
-leaves it to another (``GemmChoice``); ``fbgemm`` has no fp8 weight-gradient (k-grouped)
-kernel. Which backend runs each GEMM of a weight is the weight's ``GemmChoice``, made when it
-is converted (``gemm_choice.py``).
+recipe's quantizers write it: any other layout is copied first.
+
+The blockwise forms take the blockwise recipe's operands and scales as they are
+(``blockwise_quantize.py``; ``blockwise_gemm.py``'s contracts, output dtype last):
+``blockwise_m_grouped(a, a_scale, b, b_scale, offs, out_dtype)`` (forward, input gradient) and
+``blockwise_k_grouped(a, a_scale, grad, grad_scale, offs, out_dtype)`` (weight gradient).
+
+A backend that lacks a form leaves it to another (``GemmChoice``); ``fbgemm`` has no fp8
+weight-gradient (k-grouped) kernel and no blockwise one, ``deepgemm`` only blockwise ones. Which
+backend runs each GEMM of a weight is the weight's ``GemmChoice``, made when it is converted
+(``gemm_choice.py``).
 """
 
 import logging
@@ -29,7 +36,8 @@ from ..gemm import column_major
 
 logger = logging.getLogger(__name__)
 
-FORMS = ("m_grouped", "k_grouped", "dense")
+ROWWISE_FORMS = ("m_grouped", "k_grouped", "dense")
+BLOCKWISE_FORMS = ("blockwise_m_grouped", "blockwise_k_grouped")
 
 
 @dataclass(frozen=True, order=True)
@@ -53,10 +61,11 @@ TORCH_GEMMS = GemmChoice()
 
 
 class TorchBackend:
-    """torch's ``_scaled_grouped_mm`` (CUTLASS) and ``_scaled_mm`` (cuBLAS)."""
+    """torch's ``_scaled_grouped_mm`` (CUTLASS) and ``_scaled_mm`` (cuBLAS); blockwise: torch's
+    blockwise ``scaled_mm`` (cuBLAS) per group, or our Triton kernels (``blockwise_cublas.py``)."""
 
     name = "torch"
-    forms = frozenset(FORMS)
+    forms = frozenset(ROWWISE_FORMS + BLOCKWISE_FORMS)
 
     def m_grouped(self, a, a_inv, b, b_inv, offs):
         return torch._scaled_grouped_mm(
@@ -81,6 +90,25 @@ class TorchBackend:
             out_dtype=torch.bfloat16,
             use_fast_accum=True,
         )
+
+    def blockwise_m_grouped(self, *operands):
+        return _blockwise_kernels().blockwise_grouped_mm(*operands)
+
+    def blockwise_k_grouped(self, *operands):
+        return _blockwise_kernels().blockwise_grouped_mm_wgrad(*operands)
+
+
+def _blockwise_kernels():
+    """``blockwise_cublas.py`` (Triton: CUDA, and the interpreter, only)."""
+    try:
+        from . import blockwise_cublas
+    except ImportError as e:
+        raise NotImplementedError(
+            'float8_moe: recipe "blockwise" has no CUDA GEMM kernels in this build '
+            f"({type(e).__name__}: {e}); set `[float8_moe] emulate = true` to run it emulated, "
+            'or recipe = "rowwise"'
+        ) from e
+    return blockwise_cublas
 
 
 class FbgemmBackend:
@@ -121,6 +149,39 @@ class FbgemmBackend:
         )
 
 
+class DeepGemmBackend:
+    """DeepGEMM's sm90 m-grouped and k-grouped fp8 kernels at the blockwise recipe's scale
+    granularity (``blockwise_deepgemm.py``)."""
+
+    name = "deepgemm"
+    install = (
+        "pip install --no-build-isolation deepinfer-gemm==2.8.2 (DeepGEMM built against the "
+        "running torch: needs a CUDA toolkit, nvcc, and the elfutils headers libdw-dev; "
+        "docs/gemm_backends.md)"
+    )
+    forms = frozenset(BLOCKWISE_FORMS)
+
+    def __init__(self, kernels):
+        self.blockwise_m_grouped = kernels.blockwise_grouped_mm
+        self.blockwise_k_grouped = kernels.blockwise_grouped_mm_wgrad
+
+
+def _load_deepgemm() -> DeepGemmBackend:
+    """DeepGEMM's kernels; raises where it is not installed, not built for this torch, or the
+    GPU is not sm90 (its fp32-scale kernels, the blockwise recipe's, are Hopper's)."""
+    import deep_gemm
+
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        raise RuntimeError(
+            f"DeepGEMM's fp32-scale fp8 kernels need sm90, this GPU is sm{major}{minor}"
+        )
+    deep_gemm.get_num_sms()  # its runtime starts: a build for another torch fails here
+    from . import blockwise_deepgemm
+
+    return DeepGemmBackend(blockwise_deepgemm)
+
+
 def _load_fbgemm() -> FbgemmBackend:
     """fbgemm-gpu-genai's kernels; raises where it is not installed, not built for this torch,
     or lacks them (AttributeError)."""
@@ -129,8 +190,8 @@ def _load_fbgemm() -> FbgemmBackend:
     return FbgemmBackend(torch.ops.fbgemm)
 
 
-_LOADERS = {"fbgemm": _load_fbgemm}
-_INSTALL = {"fbgemm": FbgemmBackend.install}
+_LOADERS = {"fbgemm": _load_fbgemm, "deepgemm": _load_deepgemm}
+_INSTALL = {"fbgemm": FbgemmBackend.install, "deepgemm": DeepGemmBackend.install}
 BACKENDS = ("torch", *_LOADERS)
 # ``[float8_moe] gemm_backend``: "auto" times the installed backends per GEMM (gemm_choice.py).
 GEMM_BACKEND_OPTIONS = ("auto", *BACKENDS)

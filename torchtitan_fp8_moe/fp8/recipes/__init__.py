@@ -32,8 +32,11 @@ class Recipe:
     has_cost_model: bool = False
     # Whether its CUDA GEMMs read the token groups' bounds on the host (host_offsets.py).
     reads_offsets_on_host: bool = False
-    # The GEMM backends its CUDA GEMMs can run on (kernels/gemm_backends.py; "torch": its own).
+    # The GEMM backends its CUDA GEMMs can run on (kernels/gemm_backends.py; "torch": its own),
+    # and the backends' forms it calls: "rowwise" (m_grouped, k_grouped, dense) or "blockwise"
+    # (blockwise_m_grouped, blockwise_k_grouped, also for one group).
     gemm_backend_names: tuple[str, ...] = ("torch",)
+    gemm_forms: str = "rowwise"
     # Whether ``quantizers().tokens`` casts each row alone, into an fp8 row and scales that row
     # gathers carry along (``routed_dispatch.py`` then casts each token once, not per routed copy).
     token_cast_is_row_local: bool = False

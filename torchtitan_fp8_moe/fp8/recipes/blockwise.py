@@ -8,9 +8,11 @@ An outlier spoils the scale of its 128-element tile or block, not of a whole row
 column, so the recipe keeps more precision on data with outlier blocks (tests/test_blockwise.py).
 Quantizers: ``fp8/blockwise_quantize.py`` (plain torch ops, any device; emulated) and
 ``fp8/blockwise_triton_quantize.py`` (CUDA: the same values, laid out with each GEMM's contraction
-dim contiguous). GEMMs: the exact emulation of ``fp8/gemm.py``; on CUDA, cuBLAS's blockwise GEMMs
-where the GPU and shapes allow (``fp8/kernels/blockwise_cublas.py``), else the Triton kernels of
-``fp8/kernels/blockwise_gemm.py``: the same results (``_cuda_kernels``).
+dim contiguous). GEMMs: the exact emulation of ``fp8/gemm.py``; on CUDA, by each GEMM's backend
+(``fp8/kernels/gemm_backends.py``): ``torch``, cuBLAS's blockwise GEMMs where the GPU and shapes
+allow (``fp8/kernels/blockwise_cublas.py``), else the Triton kernels of
+``fp8/kernels/blockwise_gemm.py`` (the same results); ``deepgemm``, DeepGEMM's sm90 kernels
+(``fp8/kernels/blockwise_deepgemm.py``).
 """
 
 from types import ModuleType
@@ -24,6 +26,7 @@ from ..blockwise_quantize import (
     token_blocks,
 )
 from ..gemm import grouped_mm_fp32, grouped_wgrad_mm_fp32
+from ..kernels import gemm_backends
 from ..quantize import dequantize
 from . import Recipe
 
@@ -32,6 +35,9 @@ class BlockwiseRecipe(Recipe):
     name = "blockwise"
     description = "fp8 blockwise (1x128 activations, 128x128 weights)"
     reads_offsets_on_host = True  # cuBLAS's GEMMs, one call per group
+    gemm_backend_names = ("torch", "deepgemm")
+    gemm_forms = "blockwise"
+    token_cast_is_row_local = True  # 1 x 128 tiles within each row
 
     def quantizers(self, emulate: bool) -> ModuleType:
         if emulate:
@@ -44,7 +50,8 @@ class BlockwiseRecipe(Recipe):
         """``a [M, K]`` (scales ``[M, ceil(K/128)]``) times ``b [G, K, N]`` (scales
         ``[G, ceil(K/128), ceil(N/128)]``) per group."""
         if not emulate:
-            return _cuda_kernels().blockwise_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype)
+            kernels = gemm_backends.kernel(backend)
+            return kernels.blockwise_m_grouped(a, a_scale, b, b_scale, offs, out_dtype)
         a_hp = dequantize(a, expand_tiles(a_scale, a.shape[-1]))
         b_hp = dequantize(b, expand_blocks(b_scale, *b.shape[-2:]))
         return grouped_mm_fp32(a_hp, b_hp, offs).to(out_dtype)
@@ -58,7 +65,7 @@ class BlockwiseRecipe(Recipe):
             # On CUDA every group starts at a multiple of 128 (token_group_alignment): the
             # blocks are the global 128-row blocks, the first ceil(M / 128) slots.
             blocks = -(-a.shape[0] // BLOCK)
-            return _cuda_kernels().blockwise_grouped_mm_wgrad(
+            return gemm_backends.kernel(backend).blockwise_k_grouped(
                 a, a_scale[:blocks], grad, grad_scale[:blocks], offs, out_dtype
             )
         blocks, _ = token_blocks(offs, a.shape[0])
@@ -87,19 +94,3 @@ class BlockwiseRecipe(Recipe):
         # group must start at a multiple of 128 so that no block straddles two groups. (The
         # emulation aligns its blocks to each group's start itself.)
         return None if emulate else BLOCK
-
-
-def _cuda_kernels() -> ModuleType:
-    """The blockwise GEMM kernels (CUDA), plugged in from ``fp8/kernels/blockwise_cublas.py``:
-    ``blockwise_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype)`` and
-    ``blockwise_grouped_mm_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype)``, with the
-    operands and scales of ``fp8/blockwise_quantize.py``."""
-    try:
-        from ..kernels import blockwise_cublas
-    except ImportError as e:
-        raise NotImplementedError(
-            'float8_moe: recipe "blockwise" has no CUDA GEMM kernels in this build '
-            "(torchtitan_fp8_moe/fp8/kernels/); set `[float8_moe] emulate = "
-            'true` to run it emulated, or recipe = "rowwise"'
-        ) from e
-    return blockwise_cublas
