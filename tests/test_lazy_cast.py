@@ -120,6 +120,8 @@ def test_writes_fail_closed():
         w16.transpose(-2, -1).zero_()
     copy = w.bfloat16().clone()
     copy.mul_(2)  # an ordinary copy: writable
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="lazy"):
+        torch.add(copy.detach(), 1, out=w16)  # another weight before the cast in the arguments
     view = w16.transpose(-2, -1)
     with torch.no_grad():
         w.add_(1.0)

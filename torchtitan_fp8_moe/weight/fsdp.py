@@ -14,13 +14,16 @@ values (``fp8/gathered.py``), and the unsharded weight is a ``Float8GatheredWeig
 """
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..fp8 import gathered
 from .gathered import Float8GatheredWeight
+
+if TYPE_CHECKING:
+    from .tensor import Float8MoEWeight
 
 
 def rows_per_rank(dim_size: int, world_size: int) -> int:
@@ -49,7 +52,7 @@ def padded_shard_shape(
     return torch.Size((rows_per_rank(logical_shape[0], world_size), *logical_shape[1:]))
 
 
-def gathers_fp8(weight, outer_size: torch.Size, world_size: int) -> bool:
+def gathers_fp8(weight: "Float8MoEWeight", outer_size: torch.Size, world_size: int) -> bool:
     """Whether the shard ``weight`` all-gathers fp8 payloads (the rule the converter's plan
     logs)."""
     shard_dim = sharded_dim(outer_size, weight.shape)
@@ -58,7 +61,7 @@ def gathers_fp8(weight, outer_size: torch.Size, world_size: int) -> bool:
     return weight.config.fp8_all_gather and fallback is None
 
 
-def pre_all_gather(weight, mesh, outer_size, outer_stride, module, mp_policy):
+def pre_all_gather(weight: "Float8MoEWeight", mesh, outer_size, outer_stride, module, mp_policy):
     data = weight._data
     if mp_policy.param_dtype is not None:
         data = data.to(mp_policy.param_dtype)
@@ -78,7 +81,7 @@ def pre_all_gather(weight, mesh, outer_size, outer_stride, module, mp_policy):
 
 
 def post_all_gather(
-    weight,
+    weight: "Float8MoEWeight",
     all_gather_outputs: tuple[torch.Tensor, ...],
     metadata: Any,
     param_dtype: torch.dtype,
@@ -108,7 +111,7 @@ def post_all_gather(
 
 
 def _post_fp8_all_gather(
-    weight,
+    weight: "Float8MoEWeight",
     all_gather_outputs: tuple[torch.Tensor, ...],
     layout: gathered.GatherLayout,
     out: torch.Tensor | None,
