@@ -228,7 +228,7 @@ def weight_casts(sweep: bool) -> list[dict]:
 
 
 def lazy_cast_casts(repeat: int) -> list[dict]:
-    """The weight casts of an fp32 parameter's lazy bf16 cast (``weight/tensor.py``: the kernels
+    """The weight casts of an fp32 parameter's lazy bf16 cast (``weight/lazy_cast.py``: the kernels
     read fp32 and round to bf16 as they read) against quantizing a bf16 copy (the cast, then the
     kernel: what compiled code and FSDP's bf16 parameters do) and the fp32 values unrounded;
     medians of ``repeat`` interleaved rounds. Checks that the rounded casts equal the copy's."""

@@ -12,6 +12,10 @@ from hypothesis import strategies as st
 
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
+from torchtitan_fp8_moe.weight.gathered import GATHERED_OPS
+from torchtitan_fp8_moe.weight.lazy_cast import LAZY_CAST_OPS
+from torchtitan_fp8_moe.weight.ops import Kind, OpTable
+from torchtitan_fp8_moe.weight.tensor import WEIGHT_OPS
 
 H, D, M = 48, 32, 24
 E4M3_MAX = 448.0
@@ -257,3 +261,15 @@ def test_a_matmul_leaves_the_weights_storage_out_of_autograd(form, on):
     del param, w, out, x
     gc.collect()
     assert freed() is None
+
+
+@pytest.mark.parametrize(
+    "table", [WEIGHT_OPS, LAZY_CAST_OPS, GATHERED_OPS], ids=["weight", "lazy_cast", "gathered"]
+)
+def test_every_op_kind_has_a_handler(table):
+    """Each weight type's op table says what every kind of op does to it; a table refuses a
+    kind it has no handler for."""
+    for kind in Kind:
+        assert callable(table.handler(kind))
+    with pytest.raises(NotImplementedError, match="no handler"):
+        OpTable(Float8MoEWeight).handler(Kind.VIEW)

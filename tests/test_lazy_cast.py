@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_fail_closed import NOT_FP8_DB, SAME_DB, VIEW_STEPS, fp8_product
 
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
-from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
+from torchtitan_fp8_moe.weight import Float8MoEWeight, LazyCastWeight, WeightConfig
 
 G, H, D, M = 3, 48, 32, 48
 OFFS = torch.tensor([16, 16, 48], dtype=torch.int32)  # one empty group
@@ -84,7 +84,7 @@ def test_lazy_cast_equals_a_copied_cast_bit_for_bit(cache_fp8):
             x, target = _inputs()
             x.requires_grad_()
             w16 = make(w)
-            assert (w16._cast_from is not None) == lazy
+            assert isinstance(w16, LazyCastWeight) == lazy
             out = _routed(x, w16)
             (out.float() * target.float()).sum().backward()
             results.append((out.detach(), x.grad, w.grad.clone()))
@@ -104,7 +104,7 @@ def test_other_ops_see_the_bf16_values():
     assert w16.sum().item() == rounded.sum().item()
     assert torch.equal(w16.view(torch.int16), rounded.view(torch.int16))  # a bytes view
     copy = w16.clone()
-    assert copy._cast_from is None and copy._data.dtype == torch.bfloat16
+    assert not isinstance(copy, LazyCastWeight) and copy._data.dtype == torch.bfloat16
     assert torch.equal(copy.high_precision(), rounded)
 
 
@@ -120,6 +120,8 @@ def test_writes_fail_closed():
         w16.transpose(-2, -1).zero_()
     copy = w.bfloat16().clone()
     copy.mul_(2)  # an ordinary copy: writable
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="lazy"):
+        torch.add(copy.detach(), 1, out=w16)  # another weight before the cast in the arguments
     view = w16.transpose(-2, -1)
     with torch.no_grad():
         w.add_(1.0)
@@ -209,7 +211,7 @@ def test_casts_that_copy():
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(Float8MoEWeight(plain.clone(), WeightConfig(emulate=True)))
     module.to(torch.bfloat16)
-    assert module.w._data.dtype == torch.bfloat16 and module.w._cast_from is None
+    assert module.w._data.dtype == torch.bfloat16 and not isinstance(module.w, LazyCastWeight)
     with torch.no_grad():
         module.w.add_(1.0)  # a converted model's parameters stay writable
 
@@ -252,6 +254,6 @@ def test_view_chains_of_a_lazy_cast(chain, expert):
         rounded = rounded_next
     if w2.shape != (H, D):
         w2, rounded = w2.transpose(-2, -1), rounded.transpose(-2, -1)
-    assert (w2._cast_from is None) == copied
+    assert (not isinstance(w2, LazyCastWeight)) == copied
     out = F.linear(x, w2)
     assert sqnr(fp8_product(x, rounded.float().t()), out) > SAME_DB

@@ -109,7 +109,7 @@ ROUNDING_CASES = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2 - 2**-9, 448 - 2**-7
 
 def _check_weight_casts(round_to_bf16: bool = False) -> None:
     """With ``round_to_bf16`` the kernels read fp32 weights and must give what the rules give
-    for the weights cast to bf16 (a lazy bf16 cast's quantization, ``weight/tensor.py``)."""
+    for the weights cast to bf16 (a lazy bf16 cast's quantization, ``weight/lazy_cast.py``)."""
     from torchtitan_fp8_moe.fp8 import torch_quantize
     from torchtitan_fp8_moe.fp8.kernels.triton_rowwise import cast_rows
     from torchtitan_fp8_moe.fp8.kernels.triton_transposed import cast_transposed

@@ -1,11 +1,6 @@
-"""Uneven-shard padding: how FSDP2 splits a weight over its ranks, and the plan we log for it.
-
-FSDP2 splits dim 0 with ``torch.chunk``: every rank gets ``ceil(dim0 / world)`` rows except the
-last ones, which get fewer or none, and all-gathers buffers of the full ``ceil(dim0 / world)``
-rows. A weight's all-gather input therefore has to be padded with zero rows to that size. Sharding
-on a dim other than 0 (what torchtitan does for experts when FSDP x EP exceeds the expert count)
-must be even, so it needs no padding. Both the converter's plan and the weight tensor's all-gather
-use these functions, so they cannot disagree.
+"""The shard plan we log: how tensor, expert and FSDP2 parallelism split each expert weight, and
+the uneven-shard padding that costs. How FSDP2 splits and pads a shard is ``weight/fsdp.py``'s,
+the same functions the weight's all-gather hooks use, so the plan cannot disagree with them.
 """
 
 import math
@@ -16,35 +11,10 @@ import torch
 
 from .fp8 import gathered
 from .fp8.recipes import Recipe
+from .weight.fsdp import rows_per_rank
 
 if TYPE_CHECKING:
     from torchtitan.distributed import ParallelDims
-
-
-def rows_per_rank(dim_size: int, world_size: int) -> int:
-    """Rows every rank's all-gather input holds along the sharded dim (FSDP2's chunk size)."""
-    return math.ceil(dim_size / world_size)
-
-
-def sharded_dim(logical_shape: torch.Size, local_shape: torch.Size) -> int:
-    """The dim FSDP split ``logical_shape`` on to give ``local_shape``: 0 unless a trailing dim
-    differs (at world size 1, or for a shard as large as the weight, 0)."""
-    for dim in range(1, len(logical_shape)):
-        if local_shape[dim] != logical_shape[dim]:
-            return dim
-    return 0
-
-
-def padded_shard_shape(
-    logical_shape: torch.Size, local_shape: torch.Size, world_size: int
-) -> torch.Size:
-    """The all-gather input shape of a local shard: dim 0 padded to ``rows_per_rank``.
-
-    A local shard sharded on a trailing dim is sharded evenly, and is returned unchanged.
-    """
-    if sharded_dim(logical_shape, local_shape) != 0:
-        return torch.Size(local_shape)
-    return torch.Size((rows_per_rank(logical_shape[0], world_size), *logical_shape[1:]))
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ PRIVATE_TORCH: dict[str, Private] = {
     "torch.ops.aten._convolution": Private("weight/ops.py", "a matmul the weight refuses"),
     "torch.ops.aten._unsafe_view": Private("weight/ops.py", "a view by storage, not by schema"),
     "torch.ops.aten._to_copy": Private(
-        "weight/ops.py, weight/tensor.py", "copies, and the lazy bf16 cast of fp32 weights"
+        "weight/ops.py, weight/lazy_cast.py", "copies, and the lazy bf16 cast of fp32 weights"
     ),
     "torch.ops.aten._pin_memory": Private("weight/ops.py", "a copy (FSDP's CPU offload)"),
     "torch._ops.OpOverload._schema": Private(
@@ -71,17 +71,17 @@ PRIVATE_TORCH: dict[str, Private] = {
         "weight/base.py", "an op without an fp8 path runs on the plain data"
     ),
     "torch._C._get_dispatch_mode": Private(
-        "weight/tensor.py", "inside AOTAutograd's functional trace (the lazy cast)"
+        "weight/lazy_cast.py", "inside AOTAutograd's functional trace (the lazy cast)"
     ),
-    "torch._C._TorchDispatchModeKey.FUNCTIONAL": Private("weight/tensor.py", "the same"),
+    "torch._C._TorchDispatchModeKey.FUNCTIONAL": Private("weight/lazy_cast.py", "the same"),
     "torch._subclasses.fake_tensor.FakeTensor": Private(
-        "weight/tensor.py", "dynamo's fake run (the lazy cast stays out of it)"
+        "weight/lazy_cast.py", "dynamo's fake run (the lazy cast stays out of it)"
     ),
     "torch._prims_common.suggest_memory_format": Private(
         "weight/tensor.py", "the wrapper's memory format, as torch's own subclasses pick it"
     ),
     "torch.utils._pytree": Private(
-        "weight/tensor.py, weight/gathered.py, weight/ops.py",
+        "weight/ops.py, weight/tensor_ops.py, weight/lazy_cast.py, weight/gathered.py",
         "tree_leaves, tree_map_only over an op's arguments",
     ),
     # Autograd.

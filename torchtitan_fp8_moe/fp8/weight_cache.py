@@ -8,7 +8,7 @@ weight all-gathered from the shards (whose values change only when a shard chang
 
 An entry is valid while all of these hold, so no change of the values can reach a stale copy:
 - no op that writes into the weight or one of its views ran since the entry was made. The weight
-  tensor (``weight/tensor.py``) sees every such op at dispatch and calls ``invalidate``; what
+  tensor's op table (``weight/tensor_ops.py``) sees every such op and calls ``invalidate``; what
   counts as a write comes from the op's schema (in-place, ``out=``, ``copy_``, the optimizer's
   foreach ops);
 - no plain tensor behind the weight or one of its views (``watch``) has a new version. This
@@ -154,33 +154,3 @@ class CachedWeightQuantizer:
 
     def __call__(self, b: torch.Tensor, orientation: str, quantize) -> Quantized:
         return self.cache.quantize(b, orientation, quantize)
-
-
-class SourceValuesQuantizer:
-    """Quantizes the values a lazily cast weight was cast from (``weight/tensor.py``), rounded
-    to the cast's dtype as the quantizer reads them, through their cache if they have one: the
-    GEMM's ``b`` holds only the cast's shape and dtype, and gets the fp8 copies a copied cast
-    would, bit for bit."""
-
-    def __init__(self, values: Callable[[], torch.Tensor], cache: WeightQuantCache | None):
-        self.values = values  # returns the source values in b's layout, or raises if stale
-        self.cache = cache
-        self.keeps_copies = cache is not None
-
-    def __call__(self, b: torch.Tensor, orientation: str, quantize) -> Quantized:
-        values = self.values()
-        if values.dim() == b.dim() - 1 and b.shape[0] == 1:
-            values = values.unsqueeze(0)  # fp8_matmul's 2D weight as one group
-        if values.shape != b.shape:
-            raise AssertionError(
-                f"float8_moe: the cast weight's values {list(values.shape)} do not match the "
-                f"GEMM operand {list(b.shape)}"
-            )
-
-        def quantize_rounded(values):
-            return quantize(values, round_to=b.dtype)
-
-        if self.cache is None:
-            return quantize_rounded(values)
-        # Keyed apart from the unrounded values' own copies (an fp32 matmul of the parameter).
-        return self.cache.quantize(values, (orientation, b.dtype), quantize_rounded)

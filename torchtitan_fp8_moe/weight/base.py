@@ -63,15 +63,14 @@ class Fp8Weight(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handler = MATMUL_HANDLERS.get(getattr(func, "__name__", None))
-        if handler is not None and any(isinstance(a, Fp8Weight) for a in args[:2]):
-            a, weight = args[0], args[1]
-            if isinstance(a, Fp8Weight) or not isinstance(weight, Fp8Weight):
-                raise NotImplementedError(
-                    f"float8_moe: {func.__name__} with a Float8MoEWeight as its left operand "
-                    f"(shape {list(a.shape)}) is not supported; the weight must be the right "
-                    "operand"
-                )
-            rest = args[2:]
+        if handler is not None and args and isinstance(args[0], Fp8Weight):
+            raise NotImplementedError(
+                f"float8_moe: {func.__name__} with a Float8MoEWeight as its left operand "
+                f"(shape {list(args[0].shape)}) is not supported; the weight must be the right "
+                "operand"
+            )
+        if handler is not None and len(args) > 1 and isinstance(args[1], Fp8Weight):
+            a, weight, *rest = args
             if func.__name__ in AUTOCAST_LOWER_PRECISION:
                 a, rest, kwargs = _as_autocast(a, rest, kwargs)
             return handler(a, weight, *rest, **kwargs)

@@ -17,7 +17,7 @@ class WeightConfig:
     # Under FSDP2: all-gather fp8 payloads quantized on the shard where it can (config.py).
     fp8_all_gather: bool = False
     # A forward's cast of an fp32 parameter to bf16 holds no copy, eager or compiled
-    # (weight/tensor.py); off for compiled code whose graph breaks between such a cast and its
+    # (weight/lazy_cast.py); off for compiled code whose graph breaks between such a cast and its
     # matmul, where the cast would cross a graph boundary.
     lazy_cast: bool = True
     # Another weight multiplies the same tokens (w1 and w3): their fp8 casts of the tokens are

@@ -8,7 +8,7 @@ import torch.utils._pytree as pytree
 from ..fp8.weight_cache import WeightPayloads
 from .base import Fp8Weight, shape_only, shape_only_operand
 from .config import WeightConfig
-from .ops import Kind, dispatch_kind
+from .ops import Kind, OpTable
 
 
 class Float8GatheredWeight(Fp8Weight):
@@ -17,9 +17,9 @@ class Float8GatheredWeight(Fp8Weight):
     (``fp8/gathered.py``), no high-precision values. It is the right operand ``w^T`` of fp8
     matmuls (``torch._grouped_mm(x, w.transpose(-2, -1), offs)``, 3D x 3D, bmm) and nothing
     else: its views are itself (detach, FSDP's as_strided, ``to_local``'s view_as) and that
-    transpose; any other op raises rather than compute without the values. Its payloads are
-    its inner tensors, so compiled graphs take it as an input (not as an output: a compiled
-    function returning a view of it raises)."""
+    transpose; any other op raises rather than compute without the values (``GATHERED_OPS``).
+    Its payloads are its inner tensors, so compiled graphs take it as an input (not as an
+    output: a compiled function returning a view of it raises)."""
 
     # WeightPayloads of w^T, as gathered: forward data [E, in, out], input-gradient data
     # [E, out, in], and their scales as the recipe lays them out.
@@ -103,20 +103,36 @@ class Float8GatheredWeight(Fp8Weight):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        source = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
-        kind = dispatch_kind(func)
-        if kind in (Kind.UNRELATED_VALUES, Kind.NEW_WEIGHT):
-            # zeros_like (FSDP's zero gradient), empty_like: the shape only, no values.
-            plain = pytree.tree_map_only(cls, shape_only, (args, kwargs))
-            return func(*plain[0], **plain[1])
-        if kind is Kind.VIEW:
-            meta_args, meta_kwargs = pytree.tree_map_only(cls, _meta_like, (args, kwargs))
-            out = func(*meta_args, **meta_kwargs)
-            view = source._as_view(out) if isinstance(out, torch.Tensor) else None
-            if view is not None:
-                return view
-        raise source._unsupported(str(func))
+        return GATHERED_OPS(func, args, kwargs or {})
+
+
+GATHERED_OPS = OpTable(Float8GatheredWeight)
+
+
+@GATHERED_OPS.implements(Kind.UNRELATED_VALUES, Kind.NEW_WEIGHT)
+def _shape_only(func, args, kwargs, weights):
+    # zeros_like (FSDP's zero gradient), empty_like: the shape only, no values.
+    plain_args, plain_kwargs = pytree.tree_map_only(
+        Float8GatheredWeight, shape_only, (args, kwargs)
+    )
+    return func(*plain_args, **plain_kwargs)
+
+
+@GATHERED_OPS.implements(Kind.VIEW)
+def _view(func, args, kwargs, weights):
+    meta_args, meta_kwargs = pytree.tree_map_only(Float8GatheredWeight, _meta_like, (args, kwargs))
+    out = func(*meta_args, **meta_kwargs)
+    view = weights[0]._as_view(out) if isinstance(out, torch.Tensor) else None
+    if view is None:
+        raise weights[0]._unsupported(str(func))
+    return view
+
+
+@GATHERED_OPS.implements(
+    Kind.MATMUL, Kind.METADATA_MUTATION, Kind.MUTATION, Kind.COPY, Kind.DERIVED, Kind.OTHER
+)
+def _unsupported(func, args, kwargs, weights):
+    raise weights[0]._unsupported(str(func))
 
 
 def _swap_last_two(values) -> tuple:
@@ -125,15 +141,3 @@ def _swap_last_two(values) -> tuple:
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
-def check_views(view: torch.Tensor, output: torch.Tensor, logical_shape) -> None:
-    if view.untyped_storage().data_ptr() != output.untyped_storage().data_ptr():
-        raise AssertionError(
-            f"float8_moe: unsharded weight {list(logical_shape)} does not view the all-gather "
-            "output; FSDP's buffer reuse changed"
-        )
-
-
-def contiguous_strides(shape) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()

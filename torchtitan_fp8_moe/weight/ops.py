@@ -1,5 +1,6 @@
-"""What an op does to a converted weight, decided from the op's schema and tags, so a new op
-falls on the safe side (``tensor.py`` says what each kind does)."""
+"""What an op does to a converted weight: its kind, decided from the op's schema and tags, so a
+new op falls on the safe side, and ``OpTable``, each weight type's handler per kind
+(``tensor_ops.py`` says what each kind does to ``Float8MoEWeight``)."""
 
 import functools
 from collections.abc import Callable
@@ -121,3 +122,40 @@ def wrap_floats(out: Any, wrap: Callable, min_dim: int = 0) -> Any:
         lambda t: wrap(t) if t.is_floating_point() and t.dim() >= min_dim else t,
         out,
     )
+
+
+# (func, args, kwargs, the table's weights among the arguments, in order) -> the op's result
+Handler = Callable[[Any, tuple, dict, list], Any]
+
+
+class OpTable:
+    """What a weight type does with each ``Kind`` of op, at ``__torch_dispatch__``: a handler
+    per kind, registered with ``implements``; a kind without one goes to ``fallback`` (the
+    table of the type it refines), and without that raises."""
+
+    def __init__(self, weight_type: type, fallback: "OpTable | None" = None):
+        self.weight_type = weight_type  # the tensors handed to handlers as the op's weights
+        self.fallback = fallback
+        self._handlers: dict[Kind, Handler] = {}
+
+    def implements(self, *kinds: Kind) -> Callable[[Handler], Handler]:
+        def register(handler: Handler) -> Handler:
+            for kind in kinds:
+                self._handlers[kind] = handler
+            return handler
+
+        return register
+
+    def handler(self, kind: Kind) -> Handler:
+        handler = self._handlers.get(kind)
+        if handler is not None:
+            return handler
+        if self.fallback is not None:
+            return self.fallback.handler(kind)
+        raise NotImplementedError(
+            f"float8_moe: no handler for {kind.value} ops on {self.weight_type.__name__}"
+        )
+
+    def __call__(self, func, args: tuple, kwargs: dict) -> Any:
+        weights = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, self.weight_type)]
+        return self.handler(dispatch_kind(func))(func, args, kwargs, weights)
