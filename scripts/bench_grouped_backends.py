@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-from torchtitan_fp8_moe.fp8 import triton_quantize
 from torchtitan_fp8_moe.fp8.kernels import gemm_backends
-from torchtitan_fp8_moe.fp8.recipes import rowwise
+from torchtitan_fp8_moe.fp8.recipes.rowwise import recipe as rowwise
+from torchtitan_fp8_moe.fp8.recipes.rowwise import triton_quantizers as triton_quantize
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 
 # name: (routed rows M on one rank at 16K tokens = tokens x top-k, local experts G, K, N)

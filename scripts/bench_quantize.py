@@ -35,12 +35,12 @@ from torchao.prototype.moe_training.kernels import (
 )
 from triton.testing import do_bench
 
-from torchtitan_fp8_moe.fp8 import triton_quantize
 from torchtitan_fp8_moe.fp8.gemm import column_major
 from torchtitan_fp8_moe.fp8.kernels import triton_per_group as per_group
 from torchtitan_fp8_moe.fp8.kernels import triton_rowwise as rowwise
 from torchtitan_fp8_moe.fp8.kernels.triton_per_group import per_group_colwise_fp8_pair
 from torchtitan_fp8_moe.fp8.quantize import FP8_DTYPE
+from torchtitan_fp8_moe.fp8.recipes.rowwise import triton_quantizers as triton_quantize
 
 EXPERTS, DIM, HIDDEN = 16, 5120, 8192
 # (BLOCK_ROWS, BLOCK_COLS, num_warps, cast pass descending) tried by --sweep; the first is the

@@ -63,9 +63,11 @@ def _reference_wgrad(a, grad, offs) -> torch.Tensor:
 
 
 def _patch() -> None:
-    from torchtitan_fp8_moe.fp8 import gemm, torch_quantize, triton_quantize
+    from torchtitan_fp8_moe.fp8 import gemm
     from torchtitan_fp8_moe.fp8.quantize import dequantize
-    from torchtitan_fp8_moe.fp8.recipes import rowwise
+    from torchtitan_fp8_moe.fp8.recipes.rowwise import recipe as rowwise
+    from torchtitan_fp8_moe.fp8.recipes.rowwise import torch_quantizers as torch_quantize
+    from torchtitan_fp8_moe.fp8.recipes.rowwise import triton_quantizers as triton_quantize
 
     cuda_grouped_mm, cuda_wgrad = rowwise.grouped_mm, rowwise.grouped_wgrad_mm
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from torchtitan_fp8_moe.fp8 import blockwise_quantize
+from torchtitan_fp8_moe.fp8.recipes.blockwise import torch_quantizers as blockwise_quantize
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 

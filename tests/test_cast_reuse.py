@@ -83,7 +83,7 @@ def test_expert_ffn_casts_the_routed_tokens_once(device, tokens_per_expert, monk
     kept_fp8 = weakref.ref(kept.result[0])
     del kept
     if device == "cuda":
-        from torchtitan_fp8_moe.fp8 import triton_quantize
+        from torchtitan_fp8_moe.fp8.recipes.rowwise import triton_quantizers as triton_quantize
 
         pair_casts = ["per_group_colwise_fp8_pair", "per_group_colwise_fp8"]
         _logging(monkeypatch, triton_quantize, pair_casts, casts)

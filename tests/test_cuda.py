@@ -183,7 +183,8 @@ def test_weight_quantizers_match_the_torch_rules(stored_shape):
     the transposed cast from it) give the torch rules' bytes and scales, for weights whose rows
     are not a multiple of a program's, and the seed's [1, 8192, 5120] shared expert; NaN stays
     in its own rows."""
-    from torchtitan_fp8_moe.fp8 import torch_quantize, triton_quantize
+    from torchtitan_fp8_moe.fp8.recipes.rowwise import torch_quantizers as torch_quantize
+    from torchtitan_fp8_moe.fp8.recipes.rowwise import triton_quantizers as triton_quantize
 
     torch.manual_seed(0)
     stored = torch.randn(stored_shape, device="cuda") * torch.logspace(
@@ -212,7 +213,8 @@ def test_per_group_kernel_matches_the_torch_rules_for_every_token_count():
     """Our per-group column-wise cast (the weight gradient's operands) equals the torch rules
     for token counts that change from call to call, as they do under expert parallelism, and
     with empty groups and rows past the last group (zeros in the outputs)."""
-    from torchtitan_fp8_moe.fp8 import torch_quantize, triton_quantize
+    from torchtitan_fp8_moe.fp8.recipes.rowwise import torch_quantizers as torch_quantize
+    from torchtitan_fp8_moe.fp8.recipes.rowwise import triton_quantizers as triton_quantize
 
     torch.manual_seed(0)
     for tokens in (16, 200, 1000, 4111):
@@ -500,8 +502,8 @@ def test_compiled_chunked_per_group_cast_equals_eager(quantizer):
     buffers slices of one, inductor cloned the second from outside its slice and the compiled
     trainer's shared-expert weight gradients came out wrong (docs/limitations.md). The pair op
     (eager's cast) and the quantizer (compiled: the tokens' cast, shared, and the gradient's)."""
-    from torchtitan_fp8_moe.fp8 import triton_quantize
     from torchtitan_fp8_moe.fp8.kernels.triton_per_group import per_group_colwise_fp8_pair
+    from torchtitan_fp8_moe.fp8.recipes.rowwise import triton_quantizers as triton_quantize
 
     cast = {
         "pair_op": per_group_colwise_fp8_pair,

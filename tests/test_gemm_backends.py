@@ -17,10 +17,11 @@ from expert_modules import scout_meta_model
 
 import torchtitan_fp8_moe.conversion as conversion
 from torchtitan_fp8_moe import Float8MoEWeight, convert, gemm_choice
-from torchtitan_fp8_moe.fp8 import recipe_named, torch_quantize
+from torchtitan_fp8_moe.fp8 import recipe_named
 from torchtitan_fp8_moe.fp8.kernels import gemm_backends
 from torchtitan_fp8_moe.fp8.kernels.gemm_backends import TORCH_GEMMS, GemmChoice
-from torchtitan_fp8_moe.fp8.recipes import rowwise
+from torchtitan_fp8_moe.fp8.recipes.rowwise import recipe as rowwise
+from torchtitan_fp8_moe.fp8.recipes.rowwise import torch_quantizers as torch_quantize
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 
 ROWWISE, BLOCKWISE = recipe_named("rowwise"), recipe_named("blockwise")

@@ -13,10 +13,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_fp8_moe import convert
-from torchtitan_fp8_moe.fp8 import triton_quantize
 from torchtitan_fp8_moe.fp8.kernels import gemm_backends
 from torchtitan_fp8_moe.fp8.kernels.gemm_backends import GemmChoice
-from torchtitan_fp8_moe.fp8.recipes import rowwise
+from torchtitan_fp8_moe.fp8.recipes.rowwise import recipe as rowwise
+from torchtitan_fp8_moe.fp8.recipes.rowwise import triton_quantizers as triton_quantize
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig, fp8_kernels_available
 

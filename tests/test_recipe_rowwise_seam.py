@@ -5,8 +5,9 @@ dequantization and the fp32 grouped GEMMs, for the forward, input and weight gra
 import torch
 import torch.nn as nn
 
-from torchtitan_fp8_moe.fp8 import gemm, torch_quantize
+from torchtitan_fp8_moe.fp8 import gemm
 from torchtitan_fp8_moe.fp8.quantize import dequantize
+from torchtitan_fp8_moe.fp8.recipes.rowwise import torch_quantizers as torch_quantize
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
 

@@ -30,12 +30,13 @@ CASES = [
 def _check_per_group_colwise() -> None:
     from harness.cuda_path_on_cpu import poisoned
 
-    from torchtitan_fp8_moe.fp8 import gemm, torch_quantize
+    from torchtitan_fp8_moe.fp8 import gemm
     from torchtitan_fp8_moe.fp8.kernels.triton_per_group import (
         cast_per_group_colwise_pair,
         output_rows,
     )
     from torchtitan_fp8_moe.fp8.quantize import FP8_MAX
+    from torchtitan_fp8_moe.fp8.recipes.rowwise import torch_quantizers as torch_quantize
 
     def want(x, groups, num_groups):
         scales = torch_quantize.scales_from_amax(
@@ -110,10 +111,10 @@ ROUNDING_CASES = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2 - 2**-9, 448 - 2**-7
 def _check_weight_casts(round_to_bf16: bool = False) -> None:
     """With ``round_to_bf16`` the kernels read fp32 weights and must give what the rules give
     for the weights cast to bf16 (a lazy bf16 cast's quantization, ``weight/tensor.py``)."""
-    from torchtitan_fp8_moe.fp8 import torch_quantize
     from torchtitan_fp8_moe.fp8.kernels.triton_rowwise import cast_rows
     from torchtitan_fp8_moe.fp8.kernels.triton_transposed import cast_transposed
     from torchtitan_fp8_moe.fp8.quantize import FP8_MAX, scales_from_amax
+    from torchtitan_fp8_moe.fp8.recipes.rowwise import torch_quantizers as torch_quantize
 
     torch.manual_seed(0)
     for shape in WEIGHT_SHAPES:

@@ -9,7 +9,7 @@ import torch
 from expert_modules import build_expert_module, expert_inputs
 from torch.utils.checkpoint import checkpoint
 
-from torchtitan_fp8_moe.fp8 import torch_quantize
+from torchtitan_fp8_moe.fp8.recipes.rowwise import torch_quantizers as torch_quantize
 from torchtitan_fp8_moe.fp8.weight_cache import clear_all
 from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig

@@ -28,7 +28,7 @@ from .. import host_offsets
 from ..opaque import compile_opaque
 from ..quantize import FP8_DTYPE
 from . import blockwise_gemm
-from .blockwise_quantize import BLOCK
+from .triton_blockwise import BLOCK
 
 _TILE_RECIPE = [ScalingType.BlockWise1x128.value]
 _BLOCK_RECIPE = [ScalingType.BlockWise128x128.value]

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..opaque import compile_triton, launcher
-from .blockwise_quantize import BLOCK, blocks
+from .triton_blockwise import BLOCK, blocks
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -9,13 +9,13 @@ each group's own since the CUDA recipe aligns group starts to 128 tokens.
 
 import torch
 
-from .kernels.blockwise_quantize import (
+from ...kernels.triton_blockwise import (
     quantize_1x128,
     quantize_128x1,
     quantize_128x128,
     quantize_128x128_transposed,
 )
-from .quantize import rounded
+from ...quantize import rounded
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,8 +15,8 @@ Nothing reads the group offsets on the host, so these trace under torch.compile(
 import torch
 import torch.nn.functional as F
 
-from .gemm import token_groups
-from .quantize import amax_along, rounded, scales_from_amax, to_fp8
+from ...gemm import token_groups
+from ...quantize import amax_along, rounded, scales_from_amax, to_fp8
 
 BLOCK = 128
 

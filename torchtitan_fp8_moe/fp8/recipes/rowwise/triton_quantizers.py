@@ -16,17 +16,17 @@ from torchao.prototype.moe_training.kernels import (
     triton_fp8_rowwise_2d_scale_and_cast,
 )
 
-from . import cast_reuse
-from .gemm import column_major
-from .kernels.triton_per_group import (
+from ... import cast_reuse
+from ...gemm import column_major
+from ...kernels.triton_per_group import (
     per_group_colwise_fp8,
     per_group_colwise_fp8_pair,
     per_group_colwise_fp8_shared,
 )
-from .kernels.triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
-from .kernels.triton_transposed import transposed_fp8
-from .opaque import compile_opaque, traced
-from .quantize import FP8_DTYPE, amax_along, rounded
+from ...kernels.triton_rowwise import MAX_ROW, rowwise_fp8, rowwise_fp8_with_column_amax
+from ...kernels.triton_transposed import transposed_fp8
+from ...opaque import compile_opaque, traced
+from ...quantize import FP8_DTYPE, amax_along, rounded
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,11 +14,11 @@ from types import ModuleType
 
 import torch
 
-from .. import torch_quantize
-from ..gemm import grouped_mm_fp32, grouped_wgrad_mm_fp32, per_token, token_groups
-from ..kernels import gemm_backends
-from ..quantize import FP8_MATRIX_ALIGNMENT, dequantize
-from . import Recipe
+from ...gemm import grouped_mm_fp32, grouped_wgrad_mm_fp32, per_token, token_groups
+from ...kernels import gemm_backends
+from ...quantize import FP8_MATRIX_ALIGNMENT, dequantize
+from .. import Recipe
+from . import torch_quantizers
 
 
 class RowwiseRecipe(Recipe):
@@ -30,10 +30,10 @@ class RowwiseRecipe(Recipe):
 
     def quantizers(self, emulate: bool) -> ModuleType:
         if emulate:
-            return torch_quantize
-        from .. import triton_quantize  # Triton kernels: CUDA only
+            return torch_quantizers
+        from . import triton_quantizers  # Triton kernels: CUDA only
 
-        return triton_quantize
+        return triton_quantizers
 
     def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate, backend="torch"):
         return grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate, backend)

@@ -2,8 +2,8 @@
 
 import torch
 
-from .gemm import per_token, token_groups
-from .quantize import amax_along, quantize_rowwise, rounded, scales_from_amax, to_fp8
+from ...gemm import per_token, token_groups
+from ...quantize import amax_along, quantize_rowwise, rounded, scales_from_amax, to_fp8
 
 
 def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,17 +15,17 @@ where the GPU and shapes allow (``fp8/kernels/blockwise_cublas.py``), else the T
 
 from types import ModuleType
 
-from .. import blockwise_quantize
-from ..blockwise_quantize import (
+from ...gemm import grouped_mm_fp32, grouped_wgrad_mm_fp32
+from ...quantize import dequantize
+from .. import Recipe
+from . import torch_quantizers
+from .torch_quantizers import (
     BLOCK,
     expand_blocks,
     expand_tiles,
     per_block_token_scales,
     token_blocks,
 )
-from ..gemm import grouped_mm_fp32, grouped_wgrad_mm_fp32
-from ..quantize import dequantize
-from . import Recipe
 
 
 class BlockwiseRecipe(Recipe):
@@ -35,10 +35,10 @@ class BlockwiseRecipe(Recipe):
 
     def quantizers(self, emulate: bool) -> ModuleType:
         if emulate:
-            return blockwise_quantize
-        from .. import blockwise_triton_quantize  # Triton kernels: CUDA only
+            return torch_quantizers
+        from . import triton_quantizers  # Triton kernels: CUDA only
 
-        return blockwise_triton_quantize
+        return triton_quantizers
 
     def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate, backend="torch"):
         """``a [M, K]`` (scales ``[M, ceil(K/128)]``) times ``b [G, K, N]`` (scales
@@ -95,7 +95,7 @@ def _cuda_kernels() -> ModuleType:
     ``blockwise_grouped_mm_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype)``, with the
     operands and scales of ``fp8/blockwise_quantize.py``."""
     try:
-        from ..kernels import blockwise_cublas
+        from ...kernels import blockwise_cublas
     except ImportError as e:
         raise NotImplementedError(
             'float8_moe: recipe "blockwise" has no CUDA GEMM kernels in this build '

@@ -1,0 +1,3 @@
+from .recipe import BlockwiseRecipe
+
+__all__ = ["BlockwiseRecipe"]

@@ -1,0 +1,3 @@
+from .recipe import RowwiseRecipe
+
+__all__ = ["RowwiseRecipe"]
