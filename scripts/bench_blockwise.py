@@ -62,8 +62,8 @@ from torchtitan_fp8_moe.fp8.kernels.blockwise_gemm import (  # noqa: E402
     blockwise_grouped_mm_wgrad,
 )
 from torchtitan_fp8_moe.fp8.quantize import quantize_rowwise  # noqa: E402
-from torchtitan_fp8_moe.fp8.recipes.blockwise import torch_quantizers as rules  # noqa: E402
-from torchtitan_fp8_moe.fp8.recipes.blockwise import triton_quantizers as cuda  # noqa: E402
+from torchtitan_fp8_moe.fp8.recipes.blockwise.torch_quantizers import TORCH_QUANTIZERS as rules  # noqa: E402
+from torchtitan_fp8_moe.fp8.recipes.blockwise.triton_quantizers import TRITON_QUANTIZERS as cuda  # noqa: E402
 from torchtitan_fp8_moe.fp8.sqnr import sqnr  # noqa: E402
 
 # (name, experts, K (in), N (out), routed tokens)

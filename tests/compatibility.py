@@ -381,8 +381,8 @@ ROWS = [
     (
         '`recipe = "blockwise"` on CUDA',
         GPU_ONLY,
-        "the casts (`fp8/blockwise_triton_quantize.py`) equal the torch rules bit for bit; the "
-        "GEMMs run on cuBLAS's blockwise `scaled_mm` per token group where the GPU has it "
+        "the casts (`fp8/recipes/blockwise/triton_quantizers.py`) equal the torch rules bit for "
+        "bit; the GEMMs run on cuBLAS's blockwise `scaled_mm` per token group where the GPU has it "
         "(`fp8/kernels/blockwise_cublas.py`; an H200 with torch 2.11 does), else on our Triton "
         "kernels (`fp8/kernels/blockwise_gemm.py`), equal bit for bit and matching the "
         "emulation: `tests/test_blockwise_cuda.py`, 21 passed on an H200 on 2026-12-04 "

@@ -25,8 +25,8 @@ from torchtitan_fp8_moe.fp8.kernels.blockwise_gemm import (  # noqa: E402
     blockwise_mm,
     blockwise_mm_wgrad,
 )
-from torchtitan_fp8_moe.fp8.recipes.blockwise import torch_quantizers as rules  # noqa: E402
-from torchtitan_fp8_moe.fp8.recipes.blockwise import triton_quantizers as cuda  # noqa: E402
+from torchtitan_fp8_moe.fp8.recipes.blockwise.torch_quantizers import TORCH_QUANTIZERS as rules  # noqa: E402
+from torchtitan_fp8_moe.fp8.recipes.blockwise.triton_quantizers import TRITON_QUANTIZERS as cuda  # noqa: E402
 
 # (M, K, N, group ends): empty groups, rows past the last group, ragged K/N, M below one tile.
 GEMM_CASES = [

@@ -295,7 +295,7 @@ class Float8MoEWeight(Fp8Weight):
         """Whether this shard all-gathers fp8 payloads (the rule the converter's plan logs)."""
         shard_dim = sharded_dim(outer_size, self.shape)
         recipe = self.config.fp8_recipe
-        fallback = recipe.all_gather_fallback(tuple(outer_size), shard_dim, world_size)
+        fallback = recipe.rules.all_gather_fallback(tuple(outer_size), shard_dim, world_size)
         return self.config.fp8_all_gather and fallback is None
 
     def fsdp_post_all_gather(

@@ -6,21 +6,23 @@
 
 An outlier spoils the scale of its 128-element tile or block, not of a whole row or expert
 column, so the recipe keeps more precision on data with outlier blocks (tests/test_blockwise.py).
-Quantizers: ``fp8/blockwise_quantize.py`` (plain torch ops, any device; emulated) and
-``fp8/blockwise_triton_quantize.py`` (CUDA: the same values, laid out with each GEMM's contraction
-dim contiguous). GEMMs: the exact emulation of ``fp8/gemm.py``; on CUDA, cuBLAS's blockwise GEMMs
-where the GPU and shapes allow (``fp8/kernels/blockwise_cublas.py``), else the Triton kernels of
-``fp8/kernels/blockwise_gemm.py``: the same results (``_cuda_kernels``).
+Quantizers: ``torch_quantizers.py`` (plain torch ops, any device; emulated) and
+``triton_quantizers.py`` (CUDA: the same values, laid out with each GEMM's contraction dim
+contiguous); planning rules: ``rules.py``. GEMMs: the exact emulation of ``fp8/gemm.py``; on
+CUDA, cuBLAS's blockwise GEMMs where the GPU and shapes allow (``fp8/kernels/blockwise_cublas.py``),
+else the Triton kernels of ``fp8/kernels/blockwise_gemm.py``: the same results
+(``_cuda_kernels``).
 """
 
 from types import ModuleType
 
 from ...gemm import grouped_mm_fp32, grouped_wgrad_mm_fp32
 from ...quantize import dequantize
-from .. import Recipe
-from . import torch_quantizers
+from ..interface import Quantizers, Recipe
+from .rules import BlockwiseRules
 from .torch_quantizers import (
     BLOCK,
+    TORCH_QUANTIZERS,
     expand_blocks,
     expand_tiles,
     per_block_token_scales,
@@ -31,14 +33,15 @@ from .torch_quantizers import (
 class BlockwiseRecipe(Recipe):
     name = "blockwise"
     description = "fp8 blockwise (1x128 activations, 128x128 weights)"
+    rules = BlockwiseRules()
     reads_offsets_on_host = True  # cuBLAS's GEMMs, one call per group
 
-    def quantizers(self, emulate: bool) -> ModuleType:
+    def quantizers(self, emulate: bool) -> Quantizers:
         if emulate:
-            return torch_quantizers
-        from . import triton_quantizers  # Triton kernels: CUDA only
+            return TORCH_QUANTIZERS
+        from .triton_quantizers import TRITON_QUANTIZERS  # Triton kernels: CUDA only
 
-        return triton_quantizers
+        return TRITON_QUANTIZERS
 
     def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate, backend="torch"):
         """``a [M, K]`` (scales ``[M, ceil(K/128)]``) times ``b [G, K, N]`` (scales
@@ -53,10 +56,11 @@ class BlockwiseRecipe(Recipe):
         self, a, a_scale, grad, grad_scale, offs, out_dtype, emulate, backend="torch"
     ):
         """Per group ``a_g^T @ grad_g`` of ``a [M, K]``, ``grad [M, N]`` with scales per
-        128-token block of each group (``blockwise_quantize.token_blocks``)."""
+        128-token block of each group (``torch_quantizers.token_blocks``)."""
         if not emulate:
-            # On CUDA every group starts at a multiple of 128 (token_group_alignment): the
-            # blocks are the global 128-row blocks, the first ceil(M / 128) slots.
+            # On CUDA every group starts at a multiple of 128 (the token group alignment of
+            # ``rules.py``): the blocks are the global 128-row blocks, the first ceil(M / 128)
+            # slots.
             blocks = -(-a.shape[0] // BLOCK)
             return _cuda_kernels().blockwise_grouped_mm_wgrad(
                 a, a_scale[:blocks], grad, grad_scale[:blocks], offs, out_dtype
@@ -66,34 +70,12 @@ class BlockwiseRecipe(Recipe):
         grad_hp = grad.float() * per_block_token_scales(grad_scale.reciprocal(), blocks)
         return grouped_wgrad_mm_fp32(a_hp, grad_hp, offs).to(out_dtype)
 
-    def payload_scale_shapes(self, out_features: int, in_features: int):
-        out_blocks, in_blocks = -(-out_features // BLOCK), -(-in_features // BLOCK)
-        return (in_blocks, out_blocks), (out_blocks, in_blocks)
-
-    def check_local_shape(self, fqn, local_shape, tp_dim, emulate):
-        """Tensor parallelism must split a weight at block boundaries: each rank's blocks are
-        then the unsharded weight's (and its activation tiles the unsharded activations')."""
-        if tp_dim is not None and local_shape[tp_dim] % BLOCK:
-            raise ValueError(
-                f"float8_moe: {fqn} is split by tensor parallelism on dim {tp_dim} into local "
-                f"shards of shape {list(local_shape)}; recipe blockwise needs that dim to be a "
-                f"multiple of {BLOCK} on every rank (128x128 weight blocks, 1x128 activation "
-                f"tiles), here {local_shape[tp_dim]}. Lower parallelism.tensor_parallel_degree "
-                '(or expert_tensor_parallel_degree), or set float8_moe.recipe = "rowwise".'
-            )
-
-    def token_group_alignment(self, emulate: bool) -> int | None:
-        # The CUDA weight-gradient kernel takes 128-token blocks of the whole token dim: each
-        # group must start at a multiple of 128 so that no block straddles two groups. (The
-        # emulation aligns its blocks to each group's start itself.)
-        return None if emulate else BLOCK
-
 
 def _cuda_kernels() -> ModuleType:
     """The blockwise GEMM kernels (CUDA), plugged in from ``fp8/kernels/blockwise_cublas.py``:
     ``blockwise_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype)`` and
     ``blockwise_grouped_mm_wgrad(a, a_scale, grad, grad_scale, offs, out_dtype)``, with the
-    operands and scales of ``fp8/blockwise_quantize.py``."""
+    operands and scales of ``torch_quantizers.py``."""
     try:
         from ...kernels import blockwise_cublas
     except ImportError as e:

@@ -1,6 +1,6 @@
 """The rowwise recipe's quantizers on CUDA: the rules of ``quantize.py`` as fused Triton kernels.
 
-Same outputs as ``torch_quantize.py`` (fp8 data, fp32 power-of-2 multipliers), laid out the way
+Same outputs as ``torch_quantizers.py`` (fp8 data, fp32 power-of-2 multipliers), laid out the way
 the fp8 GEMMs want them: activations row-major, weights column-major per expert. Our kernels
 throughout (faster than torchao's, docs/benchmarks/): one-pass rowwise casts
 (``kernels/triton_rowwise.py``; for rows longer than 4096 the weight's forward cast also takes
@@ -29,7 +29,7 @@ from ...opaque import compile_opaque, traced
 from ...quantize import FP8_DTYPE, amax_along, rounded
 
 
-def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[M, K]`` -> fp8 ``[M, K]``, scales ``[M, 1]`` (per row, over K)."""
     if x.shape[-1] <= MAX_ROW:
         return rowwise_fp8(x)
@@ -46,13 +46,7 @@ def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # pays the op's dispatch and Triton's Python launcher, host time a triton op does not
 # (``opaque.compile_triton``), so only weights that share their input take this path
 # (``WeightConfig.shares_input``). Eager calls run the kernels directly.
-def _tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` of tokens that another GEMM multiplies too (looked up at call time, so that
-    wrappers of ``rows`` see it)."""
-    return rows(x)
-
-
-tokens = compile_opaque("tokens_rowwise_fp8", _tokens, rows)
+_shared_tokens = compile_opaque("tokens_rowwise_fp8", _cast_rows, _cast_rows)
 
 
 # The forward weight cast takes the amax over N in the same read only for rows (K) longer than
@@ -62,41 +56,73 @@ tokens = compile_opaque("tokens_rowwise_fp8", _tokens, rows)
 FUSED_AMAX_MIN_ROW = 4097
 
 
-def weight(
-    b: torch.Tensor, round_to: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[G, K, N]`` (column-major) -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K), and
-    the amax over N ``[G, K]`` that ``weight_transposed`` scales by; of ``b.to(round_to)``'s
-    values (``quantize.rounded``)."""
-    b = column_major(b)  # K contiguous: each [K] column of b is one row of the storage
-    if b.shape[-2] > MAX_ROW:
-        b = rounded(b, round_to)
-        data, scales = triton_fp8_colwise_3d_scale_and_cast(
-            b, output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
-        )
-        return data, scales, amax_along(b, dim=-1)
-    b, round_to_bf16 = _in_kernel_rounding(b, round_to)
-    stored = b.transpose(-2, -1)
-    if b.shape[-2] >= FUSED_AMAX_MIN_ROW:
-        data, scales, amax_over_n = rowwise_fp8_with_column_amax(stored, round_to_bf16)
-    else:
-        data, scales = rowwise_fp8(stored, round_to_bf16)
-        # Rounding to nearest is monotonic and symmetric: the amax of the rounded values is
-        # the rounded amax.
-        amax_over_n = amax_along(b, dim=-1)
-        if round_to_bf16:
-            amax_over_n = amax_over_n.bfloat16().float()
-    return data.transpose(-2, -1), scales.transpose(-2, -1), amax_over_n
+class RowwiseTritonQuantizers:
+    """``interface.Quantizers`` on CUDA: ``RowwiseTorchQuantizers``' values, in our kernels."""
+
+    def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[M, K]`` -> fp8 ``[M, K]``, scales ``[M, 1]`` (per row, over K)."""
+        return _cast_rows(x)
+
+    def tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` of tokens that another GEMM multiplies too: in eager code ``self.rows`` (so
+        that wrappers of it see the call), traced the pure custom op above."""
+        return _shared_tokens(x) if traced(x) else self.rows(x)
+
+    def weight(
+        self, b: torch.Tensor, round_to: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[G, K, N]`` (column-major) -> fp8 ``[G, K, N]``, scales ``[G, 1, N]`` (over K), and
+        the amax over N ``[G, K]`` that ``weight_transposed`` scales by; of ``b.to(round_to)``'s
+        values (``quantize.rounded``)."""
+        b = column_major(b)  # K contiguous: each [K] column of b is one row of the storage
+        if b.shape[-2] > MAX_ROW:
+            b = rounded(b, round_to)
+            data, scales = triton_fp8_colwise_3d_scale_and_cast(
+                b, output_dtype=FP8_DTYPE, round_scales_to_power_of_2=True
+            )
+            return data, scales, amax_along(b, dim=-1)
+        b, round_to_bf16 = _in_kernel_rounding(b, round_to)
+        stored = b.transpose(-2, -1)
+        if b.shape[-2] >= FUSED_AMAX_MIN_ROW:
+            data, scales, amax_over_n = rowwise_fp8_with_column_amax(stored, round_to_bf16)
+        else:
+            data, scales = rowwise_fp8(stored, round_to_bf16)
+            # Rounding to nearest is monotonic and symmetric: the amax of the rounded values is
+            # the rounded amax.
+            amax_over_n = amax_along(b, dim=-1)
+            if round_to_bf16:
+                amax_over_n = amax_over_n.bfloat16().float()
+        return data.transpose(-2, -1), scales.transpose(-2, -1), amax_over_n
+
+    def weight_transposed(
+        self, b: torch.Tensor, amax_over_n: torch.Tensor, round_to: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[G, K, N]`` and its amax over N -> fp8 of ``b^T [G, N, K]``, scales ``[G, 1, K]``;
+        of ``b.to(round_to)``'s values."""
+        b, round_to_bf16 = _in_kernel_rounding(b, round_to)
+        data, scales = transposed_fp8(b, amax_over_n, round_to_bf16)
+        return data, scales.unsqueeze(-2)
+
+    def per_group_pair(self, a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
+        """Per-group scales over tokens for the weight-gradient GEMM: ``(a_fp8, a_scales [G, K],
+        grad_fp8, grad_scales [G, N])``, data column-major."""
+        return per_group_colwise_fp8_pair(a, grad, offs)
+
+    def tokens_per_group_pair(self, a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
+        """``per_group_pair`` where another weight gradient casts the same tokens ``a`` (w3's
+        and w1's): eager keeps a's cast for it (``cast_reuse.py``), compiled code makes it one
+        node (see ``tokens``)."""
+        if traced(a, grad, offs):
+            return (*per_group_colwise_fp8_shared(a, offs), *per_group_colwise_fp8(grad, offs))
+        kept = cast_reuse.take(self.tokens_per_group_pair, a, offs)
+        if kept is not None:
+            return (*kept, *per_group_colwise_fp8(grad, offs))
+        a_fp8, a_scales, grad_fp8, grad_scales = self.per_group_pair(a, grad, offs)
+        cast_reuse.keep(self.tokens_per_group_pair, a, (offs,), (a_fp8, a_scales))
+        return a_fp8, a_scales, grad_fp8, grad_scales
 
 
-def weight_transposed(
-    b: torch.Tensor, amax_over_n: torch.Tensor, round_to: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[G, K, N]`` and its amax over N -> fp8 of ``b^T [G, N, K]``, scales ``[G, 1, K]``; of
-    ``b.to(round_to)``'s values."""
-    b, round_to_bf16 = _in_kernel_rounding(b, round_to)
-    data, scales = transposed_fp8(b, amax_over_n, round_to_bf16)
-    return data, scales.unsqueeze(-2)
+TRITON_QUANTIZERS = RowwiseTritonQuantizers()
 
 
 def _in_kernel_rounding(b: torch.Tensor, round_to: torch.dtype | None):
@@ -105,23 +131,3 @@ def _in_kernel_rounding(b: torch.Tensor, round_to: torch.dtype | None):
     if round_to == torch.bfloat16 and b.dtype == torch.float32:
         return b, True
     return rounded(b, round_to), False
-
-
-def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
-    """Per-group scales over tokens for the weight-gradient GEMM: ``(a_fp8, a_scales [G, K],
-    grad_fp8, grad_scales [G, N])``, data column-major."""
-    return per_group_colwise_fp8_pair(a, grad, offs)
-
-
-def tokens_per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
-    """``per_group_pair`` where another weight gradient casts the same tokens ``a`` (w3's and
-    w1's): eager keeps a's cast for it (``cast_reuse.py``), compiled code makes it one node (see
-    ``tokens``)."""
-    if traced(a, grad, offs):
-        return (*per_group_colwise_fp8_shared(a, offs), *per_group_colwise_fp8(grad, offs))
-    kept = cast_reuse.take(tokens_per_group_pair, a, offs)
-    if kept is not None:
-        return (*kept, *per_group_colwise_fp8(grad, offs))
-    a_fp8, a_scales, grad_fp8, grad_scales = per_group_pair(a, grad, offs)
-    cast_reuse.keep(tokens_per_group_pair, a, (offs,), (a_fp8, a_scales))
-    return a_fp8, a_scales, grad_fp8, grad_scales
