@@ -325,6 +325,17 @@ ROWS = [
         ],
     ),
     (
+        "A recipe added as one folder and one line of the registry (`register_recipe`): a "
+        "per-tensor recipe of the tests, emulated",
+        WORKS,
+        "converts torchtitan's Llama4 debug model by its name, trains a step within the SQNR "
+        "bars of an fp32 reference; an unknown recipe is refused naming the registered ones",
+        [
+            "test_recipe_registry.py::test_a_registered_recipe_converts_and_trains_against_fp32",
+            "test_recipe_registry.py::test_the_registry_names_every_registered_recipe",
+        ],
+    ),
+    (
         '`recipe = "blockwise"` (1x128 activation tiles, 128x128 weight blocks, 128x1 token '
         "tiles of each group for the weight gradient), emulated: routed (grouped, offsets, "
         "empty groups, ragged K / N / groups), grouped shared and FeedForward experts; "
