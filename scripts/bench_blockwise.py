@@ -55,8 +55,6 @@ def _math_core_without_torchtitan() -> None:
 
 
 _math_core_without_torchtitan()
-from torchtitan_fp8_moe.fp8 import blockwise_quantize as rules  # noqa: E402
-from torchtitan_fp8_moe.fp8 import blockwise_triton_quantize as cuda  # noqa: E402
 from torchtitan_fp8_moe.fp8 import fp8_grouped_mm, recipe_named  # noqa: E402
 from torchtitan_fp8_moe.fp8.kernels import blockwise_cublas, blockwise_gemm  # noqa: E402
 from torchtitan_fp8_moe.fp8.kernels.blockwise_gemm import (  # noqa: E402
@@ -64,6 +62,8 @@ from torchtitan_fp8_moe.fp8.kernels.blockwise_gemm import (  # noqa: E402
     blockwise_grouped_mm_wgrad,
 )
 from torchtitan_fp8_moe.fp8.quantize import quantize_rowwise  # noqa: E402
+from torchtitan_fp8_moe.fp8.recipes.blockwise.torch_quantizers import TORCH_QUANTIZERS as rules  # noqa: E402
+from torchtitan_fp8_moe.fp8.recipes.blockwise.triton_quantizers import TRITON_QUANTIZERS as cuda  # noqa: E402
 from torchtitan_fp8_moe.fp8.sqnr import sqnr  # noqa: E402
 
 # (name, experts, K (in), N (out), routed tokens)

@@ -9,7 +9,7 @@ For each shape (one rank's routed rows M, local experts G, dim K -> expert hidde
 M rows over the experts (``balanced``: equal groups; ``skewed``: seeded heavy-tailed group sizes,
 a multiple of 16 each, some near empty), it times the three GEMMs of w1 as float8_moe runs them,
 on operands quantized beforehand by its CUDA quantizers (the GEMM alone, through
-``rowwise.grouped_mm`` / ``grouped_wgrad_mm`` with each backend of
+``RowwiseRecipe.grouped_mm`` / ``grouped_wgrad_mm`` with each backend of
 ``torchtitan_fp8_moe/fp8/kernels/gemm_backends.py`` that loads here):
 
 - ``fwd``: ``x [M, K] . w1_g^T`` (m-grouped; dense for G = 1);
@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-from torchtitan_fp8_moe.fp8 import triton_quantize
 from torchtitan_fp8_moe.fp8.kernels import gemm_backends
-from torchtitan_fp8_moe.fp8.recipes import rowwise
+from torchtitan_fp8_moe.fp8.recipes import recipe_named
+from torchtitan_fp8_moe.fp8.recipes.rowwise.triton_quantizers import TRITON_QUANTIZERS
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 
+ROWWISE = recipe_named("rowwise")
 # name: (routed rows M on one rank at 16K tokens = tokens x top-k, local experts G, K, N)
 SHAPES = {
     "dsv3_671b_ep8": (131072, 32, 7168, 2048),
@@ -73,21 +74,21 @@ def group_sizes(m: int, groups: int, routing: str) -> torch.Tensor:
 def _gemms(x, w, dy, offs):
     """gemm -> (bf16 callable, {backend: fp8 callable}); float8_moe's operands and calls."""
     dense = w.shape[0] == 1
-    a, a_scale = triton_quantize.rows(x)
-    b, b_scale, amax_over_n = triton_quantize.weight(w.transpose(-2, -1))
-    g, g_scale = triton_quantize.rows(dy)
-    b_t, b_t_scale = triton_quantize.weight_transposed(w.transpose(-2, -1), amax_over_n)
-    pair = triton_quantize.per_group_pair(x, dy, offs)
+    a, a_scale = TRITON_QUANTIZERS.rows(x)
+    b, b_scale, amax_over_n = TRITON_QUANTIZERS.weight(w.transpose(-2, -1))
+    g, g_scale = TRITON_QUANTIZERS.rows(dy)
+    b_t, b_t_scale = TRITON_QUANTIZERS.weight_transposed(w.transpose(-2, -1), amax_over_n)
+    pair = TRITON_QUANTIZERS.per_group_pair(x, dy, offs)
     names = gemm_backends.available()
 
     def forward(backend):
-        return lambda: rowwise.grouped_mm(a, a_scale, b, b_scale, offs, BF16, False, backend)
+        return lambda: ROWWISE.grouped_mm(a, a_scale, b, b_scale, offs, BF16, False, backend)
 
     def input_grad(backend):
-        return lambda: rowwise.grouped_mm(g, g_scale, b_t, b_t_scale, offs, BF16, False, backend)
+        return lambda: ROWWISE.grouped_mm(g, g_scale, b_t, b_t_scale, offs, BF16, False, backend)
 
     def weight_grad(backend):
-        return lambda: rowwise.grouped_wgrad_mm(*pair, offs, BF16, False, backend)
+        return lambda: ROWWISE.grouped_wgrad_mm(*pair, offs, BF16, False, backend)
 
     wgrad_form = "dense" if dense else "k_grouped"
     m_form = "dense" if dense else "m_grouped"

@@ -431,7 +431,7 @@ def run_case(preset, tokens, mode, impls, args, device, clock) -> list[dict]:
             fp8 = impl.startswith("float8_moe") and args.fp8_align
             align = args.fp8_align if fp8 else args.align
             if split_impl(impl)[0] == "float8_moe_blockwise":  # its GEMMs need 128-token groups
-                align = max(align, BLOCKWISE.token_group_alignment(emulate=False))
+                align = max(align, BLOCKWISE.rules.token_group_alignment(emulate=False))
             case = Case(base, impl, mode, x, grad, args.dry_run, align)
             case.first_call(clock)
             cases[impl] = case

@@ -35,12 +35,12 @@ from torchao.prototype.moe_training.kernels import (
 )
 from triton.testing import do_bench
 
-from torchtitan_fp8_moe.fp8 import triton_quantize
 from torchtitan_fp8_moe.fp8.gemm import column_major
 from torchtitan_fp8_moe.fp8.kernels import triton_per_group as per_group
 from torchtitan_fp8_moe.fp8.kernels import triton_rowwise as rowwise
 from torchtitan_fp8_moe.fp8.kernels.triton_per_group import per_group_colwise_fp8_pair
 from torchtitan_fp8_moe.fp8.quantize import FP8_DTYPE
+from torchtitan_fp8_moe.fp8.recipes.rowwise.triton_quantizers import TRITON_QUANTIZERS
 
 EXPERTS, DIM, HIDDEN = 16, 5120, 8192
 # (BLOCK_ROWS, BLOCK_COLS, num_warps, cast pass descending) tried by --sweep; the first is the
@@ -171,21 +171,21 @@ def weight_casts(sweep: bool) -> list[dict]:
         # Stored as the expert modules hold it: [E, out, in], used as [E, in, out].
         stored = torch.randn(groups, out_dim, in_dim, device="cuda", dtype=torch.bfloat16)
         b = stored.transpose(-2, -1)
-        _, _, amax = triton_quantize.weight(b)
+        _, _, amax = TRITON_QUANTIZERS.weight(b)
         (ao_fwd, _), (ao_t, _) = _torchao_weight_casts(b)
         ours_fwd, ours_t = (
-            triton_quantize.weight(b)[0],
-            triton_quantize.weight_transposed(b, amax)[0],
+            TRITON_QUANTIZERS.weight(b)[0],
+            TRITON_QUANTIZERS.weight_transposed(b, amax)[0],
         )
         same = torch.equal(ours_fwd.float(), ao_fwd.float()) and torch.equal(
             ours_t.float(), ao_t.float()
         )
         timings = {
             ("forward (scales over K) + amax over N", "float8_moe"): partial(
-                triton_quantize.weight, b
+                TRITON_QUANTIZERS.weight, b
             ),
             ("transposed (scales over N)", "float8_moe"): partial(
-                triton_quantize.weight_transposed, b, amax
+                TRITON_QUANTIZERS.weight_transposed, b, amax
             ),
             ("forward, rows only (no amax)", "float8_moe"): partial(
                 rowwise.rowwise_fp8, column_major(b).transpose(-2, -1)
@@ -220,7 +220,7 @@ def weight_casts(sweep: bool) -> list[dict]:
                     "kernel": f"weight forward + amax, rows x tiles {config}",
                     "case": case,
                     "impl": "float8_moe",
-                    "ms": round(do_bench(partial(triton_quantize.weight, b), rep=100), 4),
+                    "ms": round(do_bench(partial(TRITON_QUANTIZERS.weight, b), rep=100), 4),
                 }
             )
         rowwise.TILE_ROWS, rowwise.ROW_TILES = shipped
@@ -238,18 +238,18 @@ def lazy_cast_casts(repeat: int) -> list[dict]:
         stored = torch.randn(groups, out_dim, in_dim, device="cuda") * 0.02
         b = stored.transpose(-2, -1)
         b16 = b.bfloat16()
-        amax = triton_quantize.weight(b, round_to=torch.bfloat16)[2]
-        lazy = (*triton_quantize.weight(b, round_to=torch.bfloat16), *_transposed(b, amax, True))
-        copied = (*triton_quantize.weight(b16), *_transposed(b16, amax, False))
+        amax = TRITON_QUANTIZERS.weight(b, round_to=torch.bfloat16)[2]
+        lazy = (*TRITON_QUANTIZERS.weight(b, round_to=torch.bfloat16), *_transposed(b, amax, True))
+        copied = (*TRITON_QUANTIZERS.weight(b16), *_transposed(b16, amax, False))
         equal = all(torch.equal(x.float(), y.float()) for x, y in zip(lazy, copied, strict=True))
         timings = {
             ("forward + amax over N", "bf16 copy"): partial(_cast_then_quantize, b),
-            ("forward + amax over N", "fp32 unrounded"): partial(triton_quantize.weight, b),
+            ("forward + amax over N", "fp32 unrounded"): partial(TRITON_QUANTIZERS.weight, b),
             ("forward + amax over N", "fp32 rounded (lazy)"): partial(
-                triton_quantize.weight, b, round_to=torch.bfloat16
+                TRITON_QUANTIZERS.weight, b, round_to=torch.bfloat16
             ),
             ("transposed", "bf16 copy"): partial(_transposed, b16, amax, False),
-            ("transposed", "fp32 unrounded"): partial(triton_quantize.weight_transposed, b, amax),
+            ("transposed", "fp32 unrounded"): partial(TRITON_QUANTIZERS.weight_transposed, b, amax),
             ("transposed", "fp32 rounded (lazy)"): partial(_transposed, b, amax, True),
         }
         times: dict = {key: [] for key in timings}
@@ -278,11 +278,11 @@ def lazy_cast_sweep() -> list[dict]:
     for case in ("routed_w1", "routed_w2"):
         groups, in_dim, out_dim = WEIGHT_CASES[case]
         b = (torch.randn(groups, out_dim, in_dim, device="cuda") * 0.02).transpose(-2, -1)
-        want = triton_quantize.weight(b.bfloat16())
+        want = TRITON_QUANTIZERS.weight(b.bfloat16())
         for max_tile in (8192, 16384, 32768):
             for row_tiles in (4, 8, 16, 32, 64):
                 rowwise.FP32_MAX_TILE, rowwise.FP32_ROW_TILES = max_tile, row_tiles
-                fn = partial(triton_quantize.weight, b, round_to=torch.bfloat16)
+                fn = partial(TRITON_QUANTIZERS.weight, b, round_to=torch.bfloat16)
                 same = [torch.equal(x.float(), y.float()) for x, y in zip(fn(), want, strict=True)]
                 rows.append(
                     {
@@ -331,11 +331,11 @@ def rows_sweep(tokens: int, widths: list[int]) -> list[dict]:
 
 
 def _cast_then_quantize(b):
-    return triton_quantize.weight(b.bfloat16())
+    return TRITON_QUANTIZERS.weight(b.bfloat16())
 
 
 def _transposed(b, amax, rounded: bool):
-    return triton_quantize.weight_transposed(b, amax, torch.bfloat16 if rounded else None)
+    return TRITON_QUANTIZERS.weight_transposed(b, amax, torch.bfloat16 if rounded else None)
 
 
 # (groups, in_dim, out_dim) of the weight-gradient operands timed: Scout's routed projections,

@@ -5,11 +5,12 @@
 
 Runs torchtitan's trainer with float8_moe's CUDA path, and on every call recomputes the same step
 from the same inputs the slow, exact way: each quantization with the plain torch rules of
-``fp8/torch_quantize.py``, each fp8 GEMM as a per-group fp32 matmul of the dequantized operands.
-Only the rows that belong to a group are compared (the CUDA grouped GEMMs leave the others
-unwritten, as ``torch._grouped_mm`` does). Writes one row per distinct (step kind, shapes) with
-the worst SQNR seen and the calls whose result was not finite where the reference was, and prints
-the rows below ``--bar`` dB. Arguments after the script's own are the trainer's.
+``fp8/recipes/rowwise/torch_quantizers.py``, each fp8 GEMM as a per-group fp32 matmul of the
+dequantized operands. Only the rows that belong to a group are compared (the CUDA grouped GEMMs
+leave the others unwritten, as ``torch._grouped_mm`` does). Writes one row per distinct (step
+kind, shapes) with the worst SQNR seen and the calls whose result was not finite where the
+reference was, and prints the rows below ``--bar`` dB. Arguments after the script's own are the
+trainer's.
 """
 
 import argparse
@@ -63,10 +64,12 @@ def _reference_wgrad(a, grad, offs) -> torch.Tensor:
 
 
 def _patch() -> None:
-    from torchtitan_fp8_moe.fp8 import gemm, torch_quantize, triton_quantize
+    from torchtitan_fp8_moe.fp8 import gemm
     from torchtitan_fp8_moe.fp8.quantize import dequantize
-    from torchtitan_fp8_moe.fp8.recipes import rowwise
+    from torchtitan_fp8_moe.fp8.recipes import recipe_named
 
+    rowwise = recipe_named("rowwise")
+    torch_quantizers, triton_quantizers = rowwise.quantizers(True), rowwise.quantizers(False)
     cuda_grouped_mm, cuda_wgrad = rowwise.grouped_mm, rowwise.grouped_wgrad_mm
 
     def grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate, backend="torch"):
@@ -100,14 +103,14 @@ def _patch() -> None:
         ]
 
     def checked(name):
-        cuda_fn, torch_fn = getattr(triton_quantize, name), getattr(torch_quantize, name)
+        cuda_fn, torch_fn = getattr(triton_quantizers, name), getattr(torch_quantizers, name)
 
         def quantize(*args, **kwargs):
             got = cuda_fn(*args, **kwargs)
             if name == "weight_transposed":
                 # From the torch rules' own amax, so a wrong amax from the CUDA forward shows.
                 round_to = kwargs.get("round_to", args[2] if len(args) > 2 else None)
-                amax = torch_quantize.weight(args[0], round_to)[2]
+                amax = torch_quantizers.weight(args[0], round_to)[2]
                 want = torch_fn(args[0], amax, round_to)
             else:
                 want = torch_fn(*args, **kwargs)
@@ -122,7 +125,7 @@ def _patch() -> None:
                 _record(f"quantize.{name}", tuple(args[0].shape), got_hp, want_hp, [])
             return got
 
-        setattr(triton_quantize, name, quantize)
+        setattr(triton_quantizers, name, quantize)
 
     for name in ("rows", "weight", "weight_transposed", "per_group_pair", "tokens_per_group_pair"):
         checked(name)

@@ -325,6 +325,17 @@ ROWS = [
         ],
     ),
     (
+        "A recipe added as one folder and one line of the registry (`register_recipe`): a "
+        "per-tensor recipe of the tests, emulated",
+        WORKS,
+        "converts torchtitan's Llama4 debug model by its name, trains a step within the SQNR "
+        "bars of an fp32 reference; an unknown recipe is refused naming the registered ones",
+        [
+            "test_recipe_registry.py::test_a_registered_recipe_converts_and_trains_against_fp32",
+            "test_recipe_registry.py::test_the_registry_names_every_registered_recipe",
+        ],
+    ),
+    (
         '`recipe = "blockwise"` (1x128 activation tiles, 128x128 weight blocks, 128x1 token '
         "tiles of each group for the weight gradient), emulated: routed (grouped, offsets, "
         "empty groups, ragged K / N / groups), grouped shared and FeedForward experts; "
@@ -381,8 +392,8 @@ ROWS = [
     (
         '`recipe = "blockwise"` on CUDA',
         GPU_ONLY,
-        "the casts (`fp8/blockwise_triton_quantize.py`) equal the torch rules bit for bit; the "
-        "GEMMs run on cuBLAS's blockwise `scaled_mm` per token group where the GPU has it "
+        "the casts (`fp8/recipes/blockwise/triton_quantizers.py`) equal the torch rules bit for "
+        "bit; the GEMMs run on cuBLAS's blockwise `scaled_mm` per token group where the GPU has it "
         "(`fp8/kernels/blockwise_cublas.py`; an H200 with torch 2.11 does), else on our Triton "
         "kernels (`fp8/kernels/blockwise_gemm.py`), equal bit for bit and matching the "
         "emulation: `tests/test_blockwise_cuda.py`, 21 passed on an H200 on 2026-12-04 "

@@ -195,6 +195,7 @@ def gathered_by_hand(
 
 def shared_token_cast_calls(code: str) -> tuple[int, int]:
     """How many calls inductor's ``code`` makes of the two casts of tokens that w1 and w3 share
-    (``triton_quantize.tokens``): the forward's row cast, the weight gradient's per-group cast."""
+    (``RowwiseTritonQuantizers.tokens``): the forward's row cast, the weight gradient's per-group
+    cast."""
     ops = ("tokens_rowwise_fp8", "per_group_colwise_fp8_shared")
     return tuple(code.count(f"torchtitan_fp8_moe.{op}.default(") for op in ops)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from torchtitan_fp8_moe.fp8 import blockwise_quantize
+from torchtitan_fp8_moe.fp8.recipes.blockwise.torch_quantizers import TORCH_QUANTIZERS
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
@@ -111,8 +111,8 @@ def test_input_gradient_uses_the_forward_blocks_transposed():
     """No second weight quantization: the transposed cast is the forward's fp8 data and scales,
     transposed, bit for bit."""
     b = torch.randn(2, 200, 136).bfloat16()
-    data, scales, state = blockwise_quantize.weight(b)
-    data_t, scales_t = blockwise_quantize.weight_transposed(b, state)
+    data, scales, state = TORCH_QUANTIZERS.weight(b)
+    data_t, scales_t = TORCH_QUANTIZERS.weight_transposed(b, state)
     assert torch.equal(data_t.view(torch.uint8), data.transpose(-2, -1).view(torch.uint8))
     assert torch.equal(scales_t, scales.transpose(-2, -1))
     assert scales.shape == (2, 2, 2)

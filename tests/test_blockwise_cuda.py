@@ -18,15 +18,15 @@ from torchtitan_fp8_moe.fp8.sqnr import sqnr
 if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
     pytest.skip("needs a CUDA device with fp8 (sm89+)", allow_module_level=True)
 
-from torchtitan_fp8_moe.fp8 import blockwise_quantize as rules  # noqa: E402
-from torchtitan_fp8_moe.fp8 import blockwise_triton_quantize as cuda  # noqa: E402
-from torchtitan_fp8_moe.fp8.kernels import blockwise_quantize as bq  # noqa: E402
+from torchtitan_fp8_moe.fp8.kernels import triton_blockwise as bq  # noqa: E402
 from torchtitan_fp8_moe.fp8.kernels.blockwise_gemm import (  # noqa: E402
     blockwise_grouped_mm,
     blockwise_grouped_mm_wgrad,
     blockwise_mm,
     blockwise_mm_wgrad,
 )
+from torchtitan_fp8_moe.fp8.recipes.blockwise.torch_quantizers import TORCH_QUANTIZERS as rules  # noqa: E402
+from torchtitan_fp8_moe.fp8.recipes.blockwise.triton_quantizers import TRITON_QUANTIZERS as cuda  # noqa: E402
 
 # (M, K, N, group ends): empty groups, rows past the last group, ragged K/N, M below one tile.
 GEMM_CASES = [

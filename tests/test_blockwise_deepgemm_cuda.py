@@ -21,10 +21,12 @@ if "deepgemm" not in gemm_backends.available():
     pytest.skip("DeepGEMM does not load here", allow_module_level=True)
 
 from torchtitan_fp8_moe import gemm_choice  # noqa: E402
-from torchtitan_fp8_moe.fp8 import blockwise_triton_quantize as cuda  # noqa: E402
 from torchtitan_fp8_moe.fp8.kernels import blockwise_cublas, blockwise_deepgemm  # noqa: E402
 from torchtitan_fp8_moe.fp8.kernels.gemm_backends import GemmChoice  # noqa: E402
 from torchtitan_fp8_moe.fp8.recipes import recipe_named  # noqa: E402
+from torchtitan_fp8_moe.fp8.recipes.blockwise.triton_quantizers import (  # noqa: E402
+    TRITON_QUANTIZERS as cuda,
+)
 from torchtitan_fp8_moe.fp8.scaled_grouped_mm import fp8_grouped_mm  # noqa: E402
 from torchtitan_fp8_moe.fp8.sqnr import sqnr  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The blockwise fp8 Triton kernels' logic on CPU, in Triton's interpreter, against the torch
-rules of ``fp8/blockwise_quantize.py``.
+rules of ``fp8/recipes/blockwise/torch_quantizers.py``.
 
 The interpreter does not round to fp8 as a GPU does, so the cast kernels write their scaled,
 saturated values to a float32 buffer here: those, cast by torch, must give the torch rules' fp8
@@ -73,8 +73,8 @@ def contraction_contiguous(x: torch.Tensor, dim: int) -> bool:
 
 
 def _check_quantize() -> None:
-    from torchtitan_fp8_moe.fp8 import blockwise_quantize as rules
-    from torchtitan_fp8_moe.fp8.kernels import blockwise_quantize as bq
+    from torchtitan_fp8_moe.fp8.kernels import triton_blockwise as bq
+    from torchtitan_fp8_moe.fp8.recipes.blockwise.torch_quantizers import TORCH_QUANTIZERS as rules
 
     torch.manual_seed(0)
     for rows, cols in [(300, 200), (1, 7), (129, 256)]:
@@ -115,8 +115,8 @@ def _check_quantize() -> None:
 def _check_recipe_quantizers() -> None:
     """The CUDA recipe's quantizers: the torch rules' signatures and scales, the GEMMs' layouts
     (fp8 codes are checked above, on the kernels' fp32 outputs)."""
-    from torchtitan_fp8_moe.fp8 import blockwise_quantize as rules
     from torchtitan_fp8_moe.fp8.recipes import recipe_named
+    from torchtitan_fp8_moe.fp8.recipes.blockwise.torch_quantizers import TORCH_QUANTIZERS as rules
 
     recipe = recipe_named("blockwise")
     assert recipe.quantizers(emulate=True) is rules
@@ -158,8 +158,8 @@ def wgrad_reference(x, dy, ends):
 
 
 def _check_grouped_mm() -> None:
-    from torchtitan_fp8_moe.fp8 import blockwise_quantize as rules
     from torchtitan_fp8_moe.fp8.kernels.blockwise_gemm import blockwise_grouped_mm, blockwise_mm
+    from torchtitan_fp8_moe.fp8.recipes.blockwise.torch_quantizers import TORCH_QUANTIZERS as rules
 
     torch.manual_seed(0)
     for m, k, n, ends in GEMM_CASES:
@@ -195,11 +195,11 @@ def _check_grouped_mm() -> None:
 
 
 def _check_wgrad() -> None:
-    from torchtitan_fp8_moe.fp8 import blockwise_quantize as rules
     from torchtitan_fp8_moe.fp8.kernels.blockwise_gemm import (
         blockwise_grouped_mm_wgrad,
         blockwise_mm_wgrad,
     )
+    from torchtitan_fp8_moe.fp8.recipes.blockwise.torch_quantizers import TORCH_QUANTIZERS as rules
 
     torch.manual_seed(0)
     for m, k, n, ends in WGRAD_CASES:
@@ -254,9 +254,9 @@ def _check_autograd_on_kernels() -> None:
     """``fp8_grouped_mm`` with the recipe's kernels (``emulate=False``) against its emulation:
     the layouts the quantizers hand the GEMMs, forward and both gradients, equal up to
     accumulation order."""
-    from torchtitan_fp8_moe.fp8 import blockwise_triton_quantize as cuda
     from torchtitan_fp8_moe.fp8 import fp8_grouped_mm, recipe_named
-    from torchtitan_fp8_moe.fp8.kernels import blockwise_quantize as bq
+    from torchtitan_fp8_moe.fp8.kernels import triton_blockwise as bq
+    from torchtitan_fp8_moe.fp8.recipes.blockwise import triton_quantizers as cuda
 
     cuda.quantize_1x128 = _fp8_rounded_by_torch(bq.quantize_1x128, (0,))
     cuda.quantize_128x1 = _fp8_rounded_by_torch(bq.quantize_128x1, (0,))

@@ -79,14 +79,14 @@ def test_expert_ffn_casts_the_routed_tokens_once(device, tokens_per_expert, monk
     # Forward: x once for w1 and w3, then SiLU(x w1) * (x w3) for w2.
     assert casts == [("rows", DIM), ("rows", HIDDEN)]
     kept = cast_reuse._slot.kept  # w2's cast of its input (marked as shared): nothing takes it
-    assert kept is not None and kept.cast is quantizers.tokens
+    assert kept is not None and kept.cast == quantizers.tokens
     kept_fp8 = weakref.ref(kept.result[0])
     del kept
     if device == "cuda":
-        from torchtitan_fp8_moe.fp8 import triton_quantize
+        from torchtitan_fp8_moe.fp8.recipes.rowwise import triton_quantizers
 
         pair_casts = ["per_group_colwise_fp8_pair", "per_group_colwise_fp8"]
-        _logging(monkeypatch, triton_quantize, pair_casts, casts)
+        _logging(monkeypatch, triton_quantizers, pair_casts, casts)
     casts.clear()
     out.backward(grad)
     assert kept_fp8() is None, "the backward frees the last forward's kept cast"

@@ -147,7 +147,7 @@ def test_the_source_digest_follows_every_file(tmp_path):
     copy = tmp_path / "torchtitan_fp8_moe"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     assert source_digest(copy) == source_digest(PACKAGE)
-    gemm = copy / "fp8" / "recipes" / "rowwise.py"
+    gemm = copy / "fp8" / "recipes" / "rowwise" / "recipe.py"
     gemm.write_text(gemm.read_text().replace(GEMM_LINE, DOUBLED))
     edited = source_digest.__wrapped__(copy)
     assert edited != source_digest(PACKAGE)
@@ -243,7 +243,7 @@ def test_a_launch_of_edited_code_compiles_its_own(tmp_path):
     were half its eager ones."""
     edited_root = tmp_path / "edited"
     shutil.copytree(PACKAGE, edited_root / "torchtitan_fp8_moe")
-    gemm = edited_root / "torchtitan_fp8_moe" / "fp8" / "recipes" / "rowwise.py"
+    gemm = edited_root / "torchtitan_fp8_moe" / "fp8" / "recipes" / "rowwise" / "recipe.py"
     source = gemm.read_text()
     assert GEMM_LINE in source
     gemm.write_text(source.replace(GEMM_LINE, DOUBLED))

@@ -183,27 +183,28 @@ def test_weight_quantizers_match_the_torch_rules(stored_shape):
     the transposed cast from it) give the torch rules' bytes and scales, for weights whose rows
     are not a multiple of a program's, and the seed's [1, 8192, 5120] shared expert; NaN stays
     in its own rows."""
-    from torchtitan_fp8_moe.fp8 import torch_quantize, triton_quantize
+    from torchtitan_fp8_moe.fp8.recipes.rowwise.torch_quantizers import TORCH_QUANTIZERS
+    from torchtitan_fp8_moe.fp8.recipes.rowwise.triton_quantizers import TRITON_QUANTIZERS
 
     torch.manual_seed(0)
     stored = torch.randn(stored_shape, device="cuda") * torch.logspace(
         -4, 4, stored_shape[-1], device="cuda"
     )
     b = stored.bfloat16().transpose(-2, -1)
-    data, scales, amax = triton_quantize.weight(b)
-    ref_data, ref_scales, ref_amax = torch_quantize.weight(b)
+    data, scales, amax = TRITON_QUANTIZERS.weight(b)
+    ref_data, ref_scales, ref_amax = TORCH_QUANTIZERS.weight(b)
     assert torch.equal(amax, ref_amax)
     assert torch.equal(scales, ref_scales)
     assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
-    data_t, scales_t = triton_quantize.weight_transposed(b, amax)
-    ref_data_t, ref_scales_t = torch_quantize.weight_transposed(b, ref_amax)
+    data_t, scales_t = TRITON_QUANTIZERS.weight_transposed(b, amax)
+    ref_data_t, ref_scales_t = TORCH_QUANTIZERS.weight_transposed(b, ref_amax)
     assert torch.equal(scales_t, ref_scales_t)
     assert torch.equal(data_t.view(torch.uint8), ref_data_t.view(torch.uint8))
     assert data_t.stride() == (b.shape[1] * b.shape[2], 1, b.shape[2])
     b_nan = b.clone()
     b_nan[0, 3, 5] = float("nan")
-    data, _, amax = triton_quantize.weight(b_nan)
-    data_t, _ = triton_quantize.weight_transposed(b_nan, amax)
+    data, _, amax = TRITON_QUANTIZERS.weight(b_nan)
+    data_t, _ = TRITON_QUANTIZERS.weight_transposed(b_nan, amax)
     assert data.float().isnan().nonzero().tolist() == [[0, 3, 5]]
     assert data_t.float().isnan().nonzero().tolist() == [[0, 5, 3]]
 
@@ -212,7 +213,8 @@ def test_per_group_kernel_matches_the_torch_rules_for_every_token_count():
     """Our per-group column-wise cast (the weight gradient's operands) equals the torch rules
     for token counts that change from call to call, as they do under expert parallelism, and
     with empty groups and rows past the last group (zeros in the outputs)."""
-    from torchtitan_fp8_moe.fp8 import torch_quantize, triton_quantize
+    from torchtitan_fp8_moe.fp8.recipes.rowwise.torch_quantizers import TORCH_QUANTIZERS
+    from torchtitan_fp8_moe.fp8.recipes.rowwise.triton_quantizers import TRITON_QUANTIZERS
 
     torch.manual_seed(0)
     for tokens in (16, 200, 1000, 4111):
@@ -223,8 +225,8 @@ def test_per_group_kernel_matches_the_torch_rules_for_every_token_count():
         rows = int(offs[-1])
         # The second call casts only the new gradient and reuses a's cast (fp8/cast_reuse.py).
         for grad_i in (grad, grad * 7):
-            got = triton_quantize.tokens_per_group_pair(a, grad_i, offs)
-            want = torch_quantize.per_group_pair(a, grad_i, offs)
+            got = TRITON_QUANTIZERS.tokens_per_group_pair(a, grad_i, offs)
+            want = TORCH_QUANTIZERS.per_group_pair(a, grad_i, offs)
             for data, ref in ((got[0], want[0]), (got[2], want[2])):
                 assert data.stride() == (1, -(-tokens // 16) * 16), "rows to a multiple of 16"
                 assert torch.equal(data[:rows].float(), ref[:rows].float()), tokens
@@ -453,9 +455,9 @@ def test_a_shared_experts_backward_keeps_no_cast_after_it():
 def test_compiled_shared_expert_casts_its_tokens_once():
     """A FeedForward shared expert compiled (w1 and w3: ``F.linear`` of the same tokens): one
     fp8 cast of the tokens forward and one for both weight gradients, where the compiled code
-    without AOTAutograd's CSE casts them for each (``triton_quantize.tokens``; w2's casts are
-    triton ops), with the same bits, and near eager's (inductor rounds SiLU and the product
-    once, eager twice)."""
+    without AOTAutograd's CSE casts them for each (``RowwiseTritonQuantizers.tokens``; w2's
+    casts are triton ops), with the same bits, and near eager's (inductor rounds SiLU and the
+    product once, eager twice)."""
     import torch._functorch.config as functorch_config
     from torch._inductor.utils import fresh_cache, run_and_get_code
     from torchtitan.models.moe.moe import FeedForward
@@ -500,12 +502,12 @@ def test_compiled_chunked_per_group_cast_equals_eager(quantizer):
     buffers slices of one, inductor cloned the second from outside its slice and the compiled
     trainer's shared-expert weight gradients came out wrong (docs/limitations.md). The pair op
     (eager's cast) and the quantizer (compiled: the tokens' cast, shared, and the gradient's)."""
-    from torchtitan_fp8_moe.fp8 import triton_quantize
     from torchtitan_fp8_moe.fp8.kernels.triton_per_group import per_group_colwise_fp8_pair
+    from torchtitan_fp8_moe.fp8.recipes.rowwise.triton_quantizers import TRITON_QUANTIZERS
 
     cast = {
         "pair_op": per_group_colwise_fp8_pair,
-        "tokens_per_group_pair": triton_quantize.tokens_per_group_pair,
+        "tokens_per_group_pair": TRITON_QUANTIZERS.tokens_per_group_pair,
     }[quantizer]
     torch.manual_seed(0)
     tokens, k, n = 8192, 5120, 8192  # Scout's shared expert, w1 / w3

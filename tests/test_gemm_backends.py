@@ -17,10 +17,10 @@ from expert_modules import scout_meta_model
 
 import torchtitan_fp8_moe.conversion as conversion
 from torchtitan_fp8_moe import Float8MoEWeight, convert, gemm_choice
-from torchtitan_fp8_moe.fp8 import recipe_named, torch_quantize
+from torchtitan_fp8_moe.fp8 import recipe_named
 from torchtitan_fp8_moe.fp8.kernels import gemm_backends
 from torchtitan_fp8_moe.fp8.kernels.gemm_backends import TORCH_GEMMS, GemmChoice
-from torchtitan_fp8_moe.fp8.recipes import rowwise
+from torchtitan_fp8_moe.fp8.recipes.rowwise.torch_quantizers import TORCH_QUANTIZERS
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 
 ROWWISE, BLOCKWISE = recipe_named("rowwise"), recipe_named("blockwise")
@@ -209,15 +209,15 @@ def test_another_backend_than_torch_must_save_the_margin(times, pick):
 
 def _operands(groups, n, k, tokens, offs):
     """The rowwise quantizers' fp8 operands of a forward and a weight gradient, with the CUDA
-    path's layouts: weights column-major, as triton_quantize writes them."""
+    path's layouts: weights column-major, as the CUDA quantizers write them."""
     torch.manual_seed(0)
     w = torch.randn(groups, n, k) * 0.02
     x = torch.randn(tokens, k)
     grad = torch.randn(tokens, n)
-    a, a_scale = torch_quantize.rows(x)
-    b, b_scale, _ = torch_quantize.weight(w.transpose(-2, -1))
+    a, a_scale = TORCH_QUANTIZERS.rows(x)
+    b, b_scale, _ = TORCH_QUANTIZERS.weight(w.transpose(-2, -1))
     b = b.transpose(-2, -1).contiguous().transpose(-2, -1)
-    pair = torch_quantize.per_group_pair(x, grad, offs)
+    pair = TORCH_QUANTIZERS.per_group_pair(x, grad, offs)
     return a, a_scale, b, b_scale, pair
 
 
@@ -229,13 +229,13 @@ def test_the_recipes_cuda_calls_into_fbgemm_give_the_emulated_products(fake_fbge
     offs = torch.tensor([20, 20, 48, 64] if groups > 1 else [64], dtype=torch.int32)
     a, a_scale, b, b_scale, pair = _operands(groups, 48, 32, 70, offs)
     bf16 = torch.bfloat16
-    want = rowwise.grouped_mm(a, a_scale, b, b_scale, offs, bf16, emulate=True)
-    got = rowwise.grouped_mm(a, a_scale, b, b_scale, offs, bf16, False, backend="fbgemm")
+    want = ROWWISE.grouped_mm(a, a_scale, b, b_scale, offs, bf16, emulate=True)
+    got = ROWWISE.grouped_mm(a, a_scale, b, b_scale, offs, bf16, False, backend="fbgemm")
     rows = int(offs[-1])
     assert sqnr(want[:rows].float(), got[:rows].float()) > 40
     if groups == 1:  # the dense form serves one group's weight gradient too
-        want = rowwise.grouped_wgrad_mm(*pair, offs, bf16, emulate=True)
-        got = rowwise.grouped_wgrad_mm(*pair, offs, bf16, False, backend="fbgemm")
+        want = ROWWISE.grouped_wgrad_mm(*pair, offs, bf16, emulate=True)
+        got = ROWWISE.grouped_wgrad_mm(*pair, offs, bf16, False, backend="fbgemm")
         assert got.shape == want.shape and sqnr(want.float(), got.float()) > 40
 
 

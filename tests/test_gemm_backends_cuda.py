@@ -13,17 +13,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_fp8_moe import convert
-from torchtitan_fp8_moe.fp8 import triton_quantize
 from torchtitan_fp8_moe.fp8.kernels import gemm_backends
 from torchtitan_fp8_moe.fp8.kernels.gemm_backends import GemmChoice
-from torchtitan_fp8_moe.fp8.recipes import rowwise
+from torchtitan_fp8_moe.fp8.recipes import recipe_named
+from torchtitan_fp8_moe.fp8.recipes.rowwise.triton_quantizers import TRITON_QUANTIZERS
 from torchtitan_fp8_moe.fp8.sqnr import sqnr
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig, fp8_kernels_available
 
 if not (torch.cuda.is_available() and fp8_kernels_available(torch.device("cuda"))):
     pytest.skip("needs a CUDA device with fp8 (sm89+)", allow_module_level=True)
 
-OTHERS = [name for name in rowwise.RowwiseRecipe.gemm_backend_names if name != "torch"]
+ROWWISE = recipe_named("rowwise")
+OTHERS = [name for name in ROWWISE.gemm_backend_names if name != "torch"]
 E, N, K, M = 4, 1536, 1024, 4096
 OFFS = [512, 512, 2560, 4000]  # an empty group, 96 rows of no group
 
@@ -50,23 +51,23 @@ def test_each_form_gives_torchs_products(name, groups):
     w, x, grad, offs = _operands(groups)
     rows = int(offs[-1])
     bf16 = torch.bfloat16
-    a, a_scale = triton_quantize.rows(x)
-    b, b_scale, amax_over_n = triton_quantize.weight(w.transpose(-2, -1))
-    g, g_scale = triton_quantize.rows(grad)
-    b_t, b_t_scale = triton_quantize.weight_transposed(w.transpose(-2, -1), amax_over_n)
+    a, a_scale = TRITON_QUANTIZERS.rows(x)
+    b, b_scale, amax_over_n = TRITON_QUANTIZERS.weight(w.transpose(-2, -1))
+    g, g_scale = TRITON_QUANTIZERS.rows(grad)
+    b_t, b_t_scale = TRITON_QUANTIZERS.weight_transposed(w.transpose(-2, -1), amax_over_n)
     gemms = [
         (a, a_scale, b, b_scale),  # forward
         (g, g_scale, b_t, b_t_scale),  # input gradient
     ]
     for operands in gemms:
-        want = rowwise.grouped_mm(*operands, offs, bf16, False, "torch")
-        got = rowwise.grouped_mm(*operands, offs, bf16, False, name)
+        want = ROWWISE.grouped_mm(*operands, offs, bf16, False, "torch")
+        got = ROWWISE.grouped_mm(*operands, offs, bf16, False, name)
         assert got.shape == want.shape and got.dtype == bf16
         assert sqnr(want[:rows].float(), got[:rows].float()) > 50
-    pair = triton_quantize.per_group_pair(x, grad, offs)
+    pair = TRITON_QUANTIZERS.per_group_pair(x, grad, offs)
     backend = name if groups == 1 else "torch"  # no k-grouped kernel but torch's
-    want = rowwise.grouped_wgrad_mm(*pair, offs, bf16, False, "torch")
-    got = rowwise.grouped_wgrad_mm(*pair, offs, bf16, False, backend)
+    want = ROWWISE.grouped_wgrad_mm(*pair, offs, bf16, False, "torch")
+    got = ROWWISE.grouped_wgrad_mm(*pair, offs, bf16, False, backend)
     assert sqnr(want.float(), got.float()) > 50
 
 

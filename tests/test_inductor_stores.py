@@ -168,6 +168,6 @@ def test_routed_experts_compile_with_dynamic_shapes():
 
 def test_compiled_experts_cast_the_shared_tokens_once():
     """Compiled routed experts and a compiled FeedForward: w1 and w3 share one fp8 cast of
-    their tokens, forward and for the weight gradients (``triton_quantize.tokens``: pure custom
-    ops that AOTAutograd's CSE merges). Without the CSE, each casts them."""
+    their tokens, forward and for the weight gradients (``RowwiseTritonQuantizers.tokens``: pure
+    custom ops that AOTAutograd's CSE merges). Without the CSE, each casts them."""
     run_in_fresh_process("test_inductor_stores", "_check_shared_token_casts_merged")

@@ -1,25 +1,26 @@
 """The rowwise recipe behind the recipe seam gives, bit for bit, what its fp8 ops give called
-directly (the pre-seam computation): the rowwise quantizers of ``torch_quantize``, exact
+directly (the pre-seam computation): the rowwise quantizers of ``RowwiseTorchQuantizers``, exact
 dequantization and the fp32 grouped GEMMs, for the forward, input and weight gradients."""
 
 import torch
 import torch.nn as nn
 
-from torchtitan_fp8_moe.fp8 import gemm, torch_quantize
+from torchtitan_fp8_moe.fp8 import gemm
 from torchtitan_fp8_moe.fp8.quantize import dequantize
+from torchtitan_fp8_moe.fp8.recipes.rowwise.torch_quantizers import TORCH_QUANTIZERS
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
 
 
 def _direct(x, w, offs, grad):
     """fwd, dgrad, wgrad of ``_grouped_mm(x, w^T, offs)`` from the fp8 ops themselves."""
     b = w.transpose(-2, -1)
-    x_fp8, x_scale = torch_quantize.rows(x)
-    b_fp8, b_scale, amax_over_n = torch_quantize.weight(b)
+    x_fp8, x_scale = TORCH_QUANTIZERS.rows(x)
+    b_fp8, b_scale, amax_over_n = TORCH_QUANTIZERS.weight(b)
     out = gemm.grouped_mm_fp32(dequantize(x_fp8, x_scale), dequantize(b_fp8, b_scale), offs)
-    g_fp8, g_scale = torch_quantize.rows(grad)
-    bt_fp8, bt_scale = torch_quantize.weight_transposed(b, amax_over_n)
+    g_fp8, g_scale = TORCH_QUANTIZERS.rows(grad)
+    bt_fp8, bt_scale = TORCH_QUANTIZERS.weight_transposed(b, amax_over_n)
     dx = gemm.grouped_mm_fp32(dequantize(g_fp8, g_scale), dequantize(bt_fp8, bt_scale), offs)
-    a_fp8, a_scales, gr_fp8, gr_scales = torch_quantize.per_group_pair(x, grad, offs)
+    a_fp8, a_scales, gr_fp8, gr_scales = TORCH_QUANTIZERS.per_group_pair(x, grad, offs)
     groups = gemm.token_groups(offs, x.shape[0])
     a_hp = a_fp8.float() * gemm.per_token(a_scales.reciprocal(), groups)
     gr_hp = gr_fp8.float() * gemm.per_token(gr_scales.reciprocal(), groups)

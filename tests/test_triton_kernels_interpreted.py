@@ -30,17 +30,16 @@ CASES = [
 def _check_per_group_colwise() -> None:
     from harness.cuda_path_on_cpu import poisoned
 
-    from torchtitan_fp8_moe.fp8 import gemm, torch_quantize
+    from torchtitan_fp8_moe.fp8 import gemm
     from torchtitan_fp8_moe.fp8.kernels.triton_per_group import (
         cast_per_group_colwise_pair,
         output_rows,
     )
-    from torchtitan_fp8_moe.fp8.quantize import FP8_MAX
+    from torchtitan_fp8_moe.fp8.quantize import FP8_MAX, scales_from_amax
+    from torchtitan_fp8_moe.fp8.recipes.rowwise.torch_quantizers import _amax_per_group
 
     def want(x, groups, num_groups):
-        scales = torch_quantize.scales_from_amax(
-            torch_quantize._amax_per_group(x, groups, num_groups)
-        )
+        scales = scales_from_amax(_amax_per_group(x, groups, num_groups))
         return (x.float() * gemm.per_token(scales, groups)).clamp(-FP8_MAX, FP8_MAX), scales
 
     torch.manual_seed(0)
@@ -110,10 +109,10 @@ ROUNDING_CASES = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2 - 2**-9, 448 - 2**-7
 def _check_weight_casts(round_to_bf16: bool = False) -> None:
     """With ``round_to_bf16`` the kernels read fp32 weights and must give what the rules give
     for the weights cast to bf16 (a lazy bf16 cast's quantization, ``weight/lazy_cast.py``)."""
-    from torchtitan_fp8_moe.fp8 import torch_quantize
     from torchtitan_fp8_moe.fp8.kernels.triton_rowwise import cast_rows
     from torchtitan_fp8_moe.fp8.kernels.triton_transposed import cast_transposed
     from torchtitan_fp8_moe.fp8.quantize import FP8_MAX, scales_from_amax
+    from torchtitan_fp8_moe.fp8.recipes.rowwise.torch_quantizers import TORCH_QUANTIZERS
 
     torch.manual_seed(0)
     for shape in WEIGHT_SHAPES:
@@ -123,7 +122,7 @@ def _check_weight_casts(round_to_bf16: bool = False) -> None:
         values, scales, amax_over_n = cast_rows(
             stored, column_amax=True, out_dtype=torch.float32, round_to_bf16=round_to_bf16
         )
-        _, want_scales, want_amax = torch_quantize.weight(b)
+        _, want_scales, want_amax = TORCH_QUANTIZERS.weight(b)
         assert torch.equal(scales.transpose(-2, -1), want_scales), shape
         assert torch.equal(amax_over_n, want_amax), shape
         want = (b.float() * want_scales).clamp(-FP8_MAX, FP8_MAX)
@@ -158,7 +157,7 @@ def _check_weight_casts(round_to_bf16: bool = False) -> None:
     # Activations: rows of [M, C], no column amax.
     x = torch.randn(5, 33).bfloat16() * torch.logspace(-4, 4, 5)[:, None].bfloat16()
     values, scales, none = cast_rows(x[None], column_amax=False, out_dtype=torch.float32)
-    want_values, want_scales = torch_quantize.rows(x)
+    want_values, want_scales = TORCH_QUANTIZERS.rows(x)
     assert none is None and torch.equal(scales[0], want_scales)
     assert torch.equal(values[0], (x.float() * want_scales).clamp(-FP8_MAX, FP8_MAX))
     # A NaN stays NaN, only where it was, in both orientations; its column's amax is NaN.

@@ -9,7 +9,7 @@ import torch
 from expert_modules import build_expert_module, expert_inputs
 from torch.utils.checkpoint import checkpoint
 
-from torchtitan_fp8_moe.fp8 import torch_quantize
+from torchtitan_fp8_moe.fp8.recipes.rowwise.torch_quantizers import TORCH_QUANTIZERS
 from torchtitan_fp8_moe.fp8.weight_cache import clear_all
 from torchtitan_fp8_moe.swap import expert_modules, swap_expert_weights
 from torchtitan_fp8_moe.weight import Float8MoEWeight, WeightConfig
@@ -22,13 +22,13 @@ def weight_quantizations(monkeypatch):
     """Counts calls of the emulated path's weight quantizers (the real functions still run)."""
     counts = {"forward": 0, "input_grad": 0}
     for orientation, name in (("forward", "weight"), ("input_grad", "weight_transposed")):
-        real = getattr(torch_quantize, name)
+        real = getattr(TORCH_QUANTIZERS, name)
 
         def counted(b, *args, _real=real, _orientation=orientation, **kwargs):
             counts[_orientation] += 1
             return _real(b, *args, **kwargs)
 
-        monkeypatch.setattr(torch_quantize, name, counted)
+        monkeypatch.setattr(TORCH_QUANTIZERS, name, counted)
     return counts
 
 

@@ -98,7 +98,7 @@ def convert(
     config = WeightConfig(recipe, emulate, settings.cache_fp8_weights, fp8_all_gather)
     fp8_recipe = config.fp8_recipe
     gemm_choice.check_option(gemm_backend, fp8_recipe)
-    alignment = fp8_recipe.token_group_alignment(emulate)
+    alignment = fp8_recipe.rules.token_group_alignment(emulate)
     choosing_gemms = not emulate and time_weights
     gemm_device = _gemm_timing_device() if choosing_gemms else None
     # The plan names the GEMMs' backends where another than torch's could run them.
@@ -149,7 +149,7 @@ def convert(
     timings = {}
     if deciding and time_weights:
         # The cost model is rowwise's on torch's GEMMs: other recipes and backends are timed.
-        estimable = fp8_recipe.has_cost_model and not names_gemms
+        estimable = fp8_recipe.rules.has_cost_model and not names_gemms
         device = timing_device(_measuring_device(policy, estimable))
         if device is not None:
             cases = {case for _, _, row, case, _ in weights if _fp8_fits(row, fp8_recipe)}
@@ -164,7 +164,7 @@ def convert(
             if timing is not None and timing.timed:
                 row = replace(row, timed_on=gpu)
         if row.fp8:
-            fp8_recipe.check_local_shape(row.fqn, row.local_shape, row.tp_dim, emulate)
+            fp8_recipe.rules.check_local_shape(row.fqn, row.local_shape, row.tp_dim, emulate)
             chosen.setdefault(module, {})[name] = gemm
             if names_gemms:
                 row = replace(row, path=f"{row.path}; {gemm.describe()}")
@@ -232,7 +232,7 @@ def _decide(
         if timing.fp8_pays:
             return replace(row, path=f"{row.path} ({policy}: {timing.describe(case.weights)})")
         return replace(row, path=f"bf16 ({policy}: fp8 {timing.describe(case.weights)})", fp8=False)
-    if not recipe.has_cost_model:
+    if not recipe.rules.has_cost_model:
         # Not timed (no GPU): the user chose the recipe for its numerics, so it converts.
         converted = f"{row.path} ({policy}: no cost model for {recipe.name}, converted)"
         return replace(row, path=converted)
@@ -248,12 +248,12 @@ def _decide(
 
 
 def _fp8_fits(row: ShardPlanRow, recipe: Recipe) -> bool:
-    """Whether the recipe's CUDA kernels take the weight's local shape (``check_local_shape``)
-    and tensor parallelism splits it evenly."""
+    """Whether the recipe's CUDA kernels take the weight's local shape (its rules'
+    ``check_local_shape``) and tensor parallelism splits it evenly."""
     if row.uneven_tp:
         return False
     try:
-        recipe.check_local_shape(row.fqn, row.local_shape, row.tp_dim, emulate=False)
+        recipe.rules.check_local_shape(row.fqn, row.local_shape, row.tp_dim, emulate=False)
     except ValueError:
         return False
     return True

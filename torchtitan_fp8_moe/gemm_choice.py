@@ -171,7 +171,8 @@ def _operands(form: str, dims: tuple, alignment: int, device, generator) -> tupl
 
 def _blockwise_operands(form: str, dims: tuple, offsets, device, generator) -> tuple:
     """The blockwise recipe's CUDA quantizers' outputs for random bf16 values."""
-    from .fp8 import blockwise_triton_quantize as quantize  # Triton: CUDA only
+    # Triton: CUDA only
+    from .fp8.recipes.blockwise.triton_quantizers import TRITON_QUANTIZERS as quantize
 
     def values(*shape):
         return torch.randn(shape, device=device, generator=generator, dtype=torch.bfloat16)

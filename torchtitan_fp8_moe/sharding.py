@@ -83,7 +83,7 @@ def with_all_gather(
     if dtype is None or not fp8_all_gather:
         return row
     name = str(dtype).removeprefix("torch.")
-    reason = recipe.all_gather_fallback(row.shape, row.shard_dim, row.fsdp_degree)
+    reason = recipe.rules.all_gather_fallback(row.shape, row.shard_dim, row.fsdp_degree)
     if reason is not None:
         return replace(row, all_gather=f"{name} ({reason})")
     padding_rows = row.rows_per_rank * row.fsdp_degree - row.shape[0]

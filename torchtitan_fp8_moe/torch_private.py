@@ -39,8 +39,8 @@ PRIVATE_TORCH: dict[str, Private] = {
         "the bf16 grouped GEMM torchtitan's experts call; a converted weight overrides it "
         "(__torch_function__), and the CPU mode runs it in fp32",
     ),
-    "torch._scaled_mm": Private("fp8/recipes/rowwise.py", "the fp8 rowwise GEMM"),
-    "torch._scaled_grouped_mm": Private("fp8/recipes/rowwise.py", "the fp8 grouped GEMM"),
+    "torch._scaled_mm": Private("fp8/kernels/gemm_backends.py", "the fp8 rowwise GEMM"),
+    "torch._scaled_grouped_mm": Private("fp8/kernels/gemm_backends.py", "the fp8 grouped GEMM"),
     "torch._scaled_mm_v2": Private(
         "fp8/kernels/blockwise_cublas.py",
         "cuBLAS's blockwise-scaled fp8 GEMM (probed at start-up; absent or failing: Triton's)",

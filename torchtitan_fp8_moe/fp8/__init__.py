@@ -3,9 +3,9 @@ torchtitan.
 
 - ``quantize.py``: the scale and cast rules every recipe shares;
 - ``recipes/``: what differs between recipes (scale granularity, quantizers, scaled GEMMs,
-  all-gather payload layout, shape rules), one module per recipe;
+  all-gather payload layout, shape rules), one subpackage per recipe and their registry;
 - ``scaled_grouped_mm.py``: the differentiable fp8 grouped matmul and its call forms;
-- ``gemm.py``: the emulated GEMMs' building blocks; ``kernels/``: the Triton casts;
+- ``gemm.py``: the emulated GEMMs' building blocks; ``kernels/``: the Triton casts and GEMMs;
 - ``gathered.py``, ``weight_cache.py``: fp8 payloads of FSDP all-gathers, cached fp8 weights.
 """
 

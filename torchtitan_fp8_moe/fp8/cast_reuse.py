@@ -16,7 +16,7 @@ are not seen: do not make them between two expert GEMMs.
 
 Eager only: a Python side table would break a compiled graph. There the rowwise recipe's CUDA
 casts of the tokens are pure custom ops, whose equal calls AOTAutograd merges
-(``triton_quantize.tokens``).
+(``RowwiseTritonQuantizers.tokens``).
 Inference tensors (no version counter) and tensor subclasses are never kept.
 """
 
@@ -65,7 +65,7 @@ def _layout(x: torch.Tensor) -> tuple:
 def _matches(kept: _Kept | None, cast: Callable, x: torch.Tensor, others: tuple) -> bool:
     return (
         kept is not None
-        and kept.cast is cast
+        and kept.cast == cast  # a bound method is a new object at each lookup
         and kept.base() is _base(x)
         and kept.layout == _layout(x)
         and kept.version == x._version
@@ -113,7 +113,7 @@ def discard(cast: Callable) -> None:
     if torch.compiler.is_compiling():
         return  # compiled code neither reads nor writes the slot
     kept = _slot.kept
-    if kept is not None and kept.cast is cast:
+    if kept is not None and kept.cast == cast:
         _slot.kept = None
 
 

@@ -8,7 +8,7 @@ is ``b = w^T [E, K=in, N=out]``. Both orientations of ``b`` that the GEMM quanti
   blocks, transposed).
 So a shard of whole experts (FSDP's dim-0 split) quantizes to exactly the slice of the unsharded
 weight's payloads, and gathering the shards' payloads gives the unsharded weight's, bit for bit.
-The recipe says the per-expert shapes of the scales (``Recipe.payload_scale_shapes``).
+The recipe's rules say the per-expert shapes of the scales (``payload_scale_shapes``).
 
 Every rank's all-gather inputs are three tensors (FSDP2 all-gathers each along dim 0):
 - the forward fp8 data and the input-gradient fp8 data, each ``[rows, out, in]`` (the padded
@@ -84,7 +84,7 @@ def _scale_carrier(trailing: tuple[int, ...], scale_bytes: int) -> torch.dtype:
 
 
 def _scale_numel(recipe: Recipe, trailing: tuple[int, ...]) -> int:
-    return sum(math.prod(shape) for shape in recipe.payload_scale_shapes(*trailing))
+    return sum(math.prod(shape) for shape in recipe.rules.payload_scale_shapes(*trailing))
 
 
 def row_bytes(trailing: tuple[int, ...], pad: bool, recipe: Recipe) -> int:
@@ -145,7 +145,7 @@ def all_gather_inputs(
     )
     pad = uneven(logical_shape[0], world_size)
     inputs.append(_scales_input(scales, padded_shape, pad))
-    scale_shapes = recipe.payload_scale_shapes(*logical_shape[1:])
+    scale_shapes = recipe.rules.payload_scale_shapes(*logical_shape[1:])
     return tuple(inputs), GatherLayout(tuple(logical_shape), dtype, stored, scale_shapes)
 
 

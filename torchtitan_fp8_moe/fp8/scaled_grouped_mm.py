@@ -15,7 +15,7 @@ import torch
 
 from . import cast_reuse, host_offsets
 from .kernels.gemm_backends import TORCH_GEMMS, GemmChoice
-from .recipes import Recipe
+from .recipes import Quantizers, Recipe
 from .weight_cache import WeightPayloads, WeightQuantizer
 
 # Where the GEMM gets its weight's fp8 copies: it quantizes b itself (None), a quantizer hands
@@ -28,7 +28,7 @@ def quantize_weight(b, orientation: str, quantize, cached: WeightQuantizer | Non
     return quantize(b) if cached is None else cached(b, orientation, quantize)
 
 
-def transposed_quantizer(quantize, state):
+def transposed_quantizer(quantize: Quantizers, state):
     """The input-gradient orientation's quantizer for ``quantize_weight``: b^T's fp8 copy cast
     by ``state``, what the forward cast of b returned besides its own copy."""
 
@@ -96,7 +96,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         return grad_a, grad_b, None, None, None, None, None, None, *([None] * ctx.payload_count)
 
 
-def _weight_grad_first(ctx, a, offs, quantize) -> bool:
+def _weight_grad_first(ctx, a, offs, quantize: Quantizers) -> bool:
     """Whether the weight gradient should go first for the lower peak memory. Where the other
     projection's backward kept a's cast (w1 after w3), taking it first frees that fp8 copy of
     a [M, K] before the input gradient allocates; but then the weight gradient [G, K, N] is
@@ -112,7 +112,7 @@ def _weight_grad_first(ctx, a, offs, quantize) -> bool:
     )
 
 
-def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize) -> torch.Tensor:
+def _input_grad(ctx, grad_out, dtype, offs, weight_saved, quantize: Quantizers) -> torch.Tensor:
     """``grad_out @ b^T`` in fp8. A function of its own so that its fp8 copies (the gradient's and
     the transposed weight's, the size of the weight) are freed before the other gradient's
     casts allocate theirs: they raised the backward's peak memory above bf16's."""
@@ -167,7 +167,7 @@ def fp8_batched_mm(
 ) -> torch.Tensor:
     """``torch._grouped_mm(a [G, M, K], b [G, K, N])`` (no offsets) in fp8."""
     groups, tokens, _ = a.shape
-    alignment = recipe.token_group_alignment(emulate)
+    alignment = recipe.rules.token_group_alignment(emulate)
     weight_gradient = torch.is_grad_enabled() and b.requires_grad
     if weight_gradient and groups > 1 and alignment and tokens % alignment:
         # The weight gradient contracts over each batch entry's rows: else a device-side assert

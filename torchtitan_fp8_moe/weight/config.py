@@ -22,8 +22,9 @@ class WeightConfig:
     lazy_cast: bool = True
     # Another weight multiplies the same tokens (w1 and w3): their fp8 casts of the tokens are
     # made once for both, kept for the other in eager code and merged in compiled graphs, where
-    # they are custom ops that cost host time per call (fp8/triton_quantize.py). The converter
-    # turns it off for weights without such a partner by name (w2; swap.same_input_weights).
+    # they are custom ops that cost host time per call (fp8/recipes/rowwise/triton_quantizers.py).
+    # The converter turns it off for weights without such a partner by name (w2;
+    # swap.same_input_weights).
     shares_input: bool = True
     # The backend of each of its fp8 GEMMs (fp8/kernels/gemm_backends.py), chosen by the
     # converter from ``[float8_moe] gemm_backend`` (gemm_choice.py).

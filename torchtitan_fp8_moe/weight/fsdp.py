@@ -57,7 +57,7 @@ def gathers_fp8(weight: "Float8MoEWeight", outer_size: torch.Size, world_size: i
     logs)."""
     shard_dim = sharded_dim(outer_size, weight.shape)
     recipe = weight.config.fp8_recipe
-    fallback = recipe.all_gather_fallback(tuple(outer_size), shard_dim, world_size)
+    fallback = recipe.rules.all_gather_fallback(tuple(outer_size), shard_dim, world_size)
     return weight.config.fp8_all_gather and fallback is None
 
 

@@ -13,7 +13,7 @@ since it may hand the op a reused buffer whose new values bumped no version.
 Used when: the device runs a blockwise ``scaled_mm`` (probed once per device against fp32 math:
 Hopper with a cuBLAS that has it; a warning says when not), the output is bf16, both matrix dims
 of the weight are multiples of 128, the weight's data has its contraction dim contiguous (as
-``blockwise_quantize.py`` writes it), and every group's token count is a multiple of 128 (the
+``triton_blockwise.py`` writes it), and every group's token count is a multiple of 128 (the
 recipe's token alignment on CUDA).
 """
 
@@ -28,7 +28,7 @@ from .. import host_offsets
 from ..opaque import compile_opaque
 from ..quantize import FP8_DTYPE
 from . import blockwise_gemm
-from .blockwise_quantize import BLOCK
+from .triton_blockwise import BLOCK
 
 _TILE_RECIPE = [ScalingType.BlockWise1x128.value]
 _BLOCK_RECIPE = [ScalingType.BlockWise128x128.value]

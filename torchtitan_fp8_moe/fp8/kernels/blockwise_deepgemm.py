@@ -1,5 +1,6 @@
 """The blockwise recipe's grouped GEMMs on DeepGEMM's sm90 fp8 kernels (``deepinfer-gemm``, built
-against the running torch), with the operands and scales of ``blockwise_quantize.py``.
+against the running torch), with the operands and scales of the blockwise recipe's quantizers
+(``fp8/recipes/blockwise/``).
 
 - Forward and input gradient: ``m_grouped_fp8_gemm_nt_contiguous`` with the prefix-sum group
   layout, which is our ``offs`` as it is (no row-to-group index, no host read): ``a [M, K]``
@@ -26,7 +27,7 @@ import torch
 from .. import host_offsets
 from ..opaque import compile_opaque
 from . import blockwise_cublas, blockwise_gemm
-from .blockwise_quantize import BLOCK
+from .triton_blockwise import BLOCK
 
 
 def _deep_gemm():

@@ -1,10 +1,11 @@
 """Blockwise fp8 grouped GEMMs (DeepSeek-V3 style) in Triton, as torch custom ops.
 
-Operands come from ``blockwise_quantize.py``: fp8 data with fp32 power-of-2 multiplier scales, one
-per 1x128 tile of an activation, per 128x128 block of a weight, per 128x1 tile (along the tokens)
-of a weight-gradient operand. Each 128-wide step of the contraction is one ``tl.dot`` of fp8 tiles
-into fp32, multiplied by the inverses of its two scales (exact: powers of 2) and added to an fp32
-accumulator, so fp8's limited in-MMA accumulation never spans more than 128 products.
+Operands come from the blockwise recipe's quantizers (``recipes/blockwise/``): fp8 data with fp32
+power-of-2 multiplier scales, one per 1x128 tile of an activation, per 128x128 block of a weight,
+per 128x1 tile (along the tokens) of a weight-gradient operand. Each 128-wide step of the
+contraction is one ``tl.dot`` of fp8 tiles into fp32, multiplied by the inverses of its two
+scales (exact: powers of 2) and added to an fp32 accumulator, so fp8's limited in-MMA
+accumulation never spans more than 128 products.
 
 Groups follow ``torch._grouped_mm``: ``offs`` holds int32 cumulative END offsets of the G token
 groups along M, rows past ``offs[-1]`` belong to no group and come out 0. The kernels read ``offs``
@@ -19,7 +20,7 @@ on the device only (no host sync), so they run under torch.compile and CUDA grap
 Any strides work; fp8 MMA on Hopper runs several times faster when both operands have the
 contraction dim contiguous:
 ``a`` row-major and ``b`` with K contiguous; for the weight gradient, both token-contiguous.
-``blockwise_quantize.py`` writes them so.
+``triton_blockwise.py`` writes them so.
 - ``blockwise_mm``, ``blockwise_mm_wgrad``: the dense (one group, no ``offs``) forms.
 CUDA only (and Triton's CPU interpreter in the tests).
 """
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..opaque import compile_triton, launcher
-from .blockwise_quantize import BLOCK, blocks
+from .triton_blockwise import BLOCK, blocks
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -233,7 +234,8 @@ def _expect(name: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype | 
     if tuple(tensor.shape) != tuple(shape) or (dtype is not None and tensor.dtype != dtype):
         raise ValueError(
             f"{name}: expected shape {tuple(shape)}{f' {dtype}' if dtype else ''}, got "
-            f"{tuple(tensor.shape)} {tensor.dtype}; quantize it with blockwise_quantize"
+            f"{tuple(tensor.shape)} {tensor.dtype}; quantize it with the blockwise recipe's "
+            "quantizers"
         )
 
 

@@ -17,7 +17,7 @@ scales; output bf16; fast accumulation):
 recipe's quantizers write it: any other layout is copied first.
 
 The blockwise forms take the blockwise recipe's operands and scales as they are
-(``blockwise_quantize.py``; ``blockwise_gemm.py``'s contracts, output dtype last):
+(``fp8/recipes/blockwise/``; ``blockwise_gemm.py``'s contracts, output dtype last):
 ``blockwise_m_grouped(a, a_scale, b, b_scale, offs, out_dtype)`` (forward, input gradient) and
 ``blockwise_k_grouped(a, a_scale, grad, grad_scale, offs, out_dtype)`` (weight gradient).
 

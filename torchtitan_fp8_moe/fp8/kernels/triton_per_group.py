@@ -452,7 +452,7 @@ def _colwise_fp8(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, tor
 per_group_colwise_fp8_pair = compile_triton("per_group_colwise_fp8_pair", _colwise_fp8_pair)
 per_group_colwise_fp8 = compile_triton("per_group_colwise_fp8", _colwise_fp8)
 # The same cast as a pure custom op under compile, whose equal calls (w3's and w1's weight
-# gradients cast the same tokens) are merged into one (``triton_quantize.tokens``).
+# gradients cast the same tokens) are merged into one (``RowwiseTritonQuantizers.tokens``).
 per_group_colwise_fp8_shared = compile_opaque(
     "per_group_colwise_fp8_shared", _colwise_fp8, per_group_colwise_fp8
 )

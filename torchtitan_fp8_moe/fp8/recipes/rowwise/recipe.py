@@ -4,36 +4,35 @@
     grad_a [M, K] = grad [M, N] @ b[g]^T [N, K]   scales: grad per token, b per (g, k)
     grad_b[g] [K, N] = a_g^T @ grad_g             scales: per (g, k) and (g, n) over g's tokens
 
-Quantizers: ``fp8/torch_quantize.py`` (emulated) and ``fp8/triton_quantize.py`` (CUDA). GEMMs:
-on CUDA those of ``fp8/kernels/gemm_backends.py`` (torch's ``_scaled_grouped_mm`` /
-``_scaled_mm``, or fbgemm-gpu-genai's, as each weight's ``GemmChoice`` says), the exact
-emulation of ``fp8/gemm.py`` elsewhere.
+Quantizers: ``torch_quantizers.py`` (emulated) and ``triton_quantizers.py`` (CUDA); planning
+rules: ``rules.py``. GEMMs: on CUDA those of ``fp8/kernels/gemm_backends.py`` (torch's
+``_scaled_grouped_mm`` / ``_scaled_mm``, or fbgemm-gpu-genai's, as each weight's ``GemmChoice``
+says), the exact emulation of ``fp8/gemm.py`` elsewhere.
 """
-
-from types import ModuleType
 
 import torch
 
-from .. import torch_quantize
-from ..gemm import grouped_mm_fp32, grouped_wgrad_mm_fp32, per_token, token_groups
-from ..kernels import gemm_backends
-from ..quantize import FP8_MATRIX_ALIGNMENT, dequantize
-from . import Recipe
+from ...gemm import grouped_mm_fp32, grouped_wgrad_mm_fp32, per_token, token_groups
+from ...kernels import gemm_backends
+from ...quantize import dequantize
+from ..interface import Quantizers, Recipe
+from .rules import RowwiseRules
+from .torch_quantizers import TORCH_QUANTIZERS
 
 
 class RowwiseRecipe(Recipe):
     name = "rowwise"
     description = "fp8 rowwise"
-    has_cost_model = True
+    rules = RowwiseRules()
     token_cast_is_row_local = True  # [M, K] fp8 rows, [M, 1] scales
     gemm_backend_names = ("torch", "fbgemm")
 
-    def quantizers(self, emulate: bool) -> ModuleType:
+    def quantizers(self, emulate: bool) -> Quantizers:
         if emulate:
-            return torch_quantize
-        from .. import triton_quantize  # Triton kernels: CUDA only
+            return TORCH_QUANTIZERS
+        from .triton_quantizers import TRITON_QUANTIZERS  # Triton kernels: CUDA only
 
-        return triton_quantize
+        return TRITON_QUANTIZERS
 
     def grouped_mm(self, a, a_scale, b, b_scale, offs, out_dtype, emulate, backend="torch"):
         return grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, emulate, backend)
@@ -42,37 +41,6 @@ class RowwiseRecipe(Recipe):
         self, a, a_scale, grad, grad_scale, offs, out_dtype, emulate, backend="torch"
     ):
         return grouped_wgrad_mm(a, a_scale, grad, grad_scale, offs, out_dtype, emulate, backend)
-
-    def payload_scale_shapes(self, out_features: int, in_features: int):
-        return (1, out_features), (1, in_features)
-
-    def check_local_shape(self, fqn, local_shape, tp_dim, emulate):
-        if emulate:
-            return
-        matrix_dims = (len(local_shape) - 2, len(local_shape) - 1)
-        unaligned = [d for d in matrix_dims if local_shape[d] % FP8_MATRIX_ALIGNMENT]
-        if not unaligned:
-            return
-        which = ", ".join(f"dim {d} ({local_shape[d]})" for d in unaligned)
-        if tp_dim in unaligned:
-            cause = (
-                f"dim {tp_dim} is split by parallelism.tensor_parallel_degree "
-                "(expert_tensor_parallel_degree for routed experts under expert parallelism); "
-                "lower it, "
-            )
-        else:
-            cause = "the model's own size (no tensor parallelism splits it); "
-        raise ValueError(
-            f"float8_moe: {fqn} has shape {list(local_shape)} per rank; fp8 kernels need both "
-            f"matrix dims to be multiples of {FP8_MATRIX_ALIGNMENT}, not {which}: "
-            f"{cause}leave the module out of float8_moe.fqns, or set float8_moe.policy = "
-            '"auto", which keeps in bf16 the weights fp8 kernels cannot multiply.'
-        )
-
-    def token_group_alignment(self, emulate: bool) -> int | None:
-        # torch's fp8 grouped GEMM needs 16-row token groups (with torchtitan's default, a
-        # device-side assert poisons the process at the first backward).
-        return None if emulate else FP8_MATRIX_ALIGNMENT
 
 
 def grouped_mm(

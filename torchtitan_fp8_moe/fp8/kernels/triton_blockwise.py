@@ -1,9 +1,10 @@
 """Blockwise fp8 casts (DeepSeek-V3 style) in Triton, laid out as the blockwise GEMMs read fastest.
 
-The rules are ``fp8/blockwise_quantize.py``'s (``BLOCK`` = 128, power-of-2 multiplier scales of
-``fp8/quantize.py``; a partial tile at a ragged edge takes its amax over the elements it has), and
-the outputs are bit for bit its outputs. What differs is the memory order: fp8 tensor-core MMA on
-Hopper wants both operands with the contraction dim contiguous ("K-major"), so
+The rules are those of ``recipes/blockwise/torch_quantizers.py`` (``BLOCK`` = 128, power-of-2
+multiplier scales of ``fp8/quantize.py``; a partial tile at a ragged edge takes its amax over the
+elements it has), and the outputs are bit for bit its outputs. What differs is the memory order:
+fp8 tensor-core MMA on Hopper wants both operands with the contraction dim contiguous
+("K-major"), so
 - ``quantize_1x128``: ``x [M, K]`` -> 1x128 tiles along K, data row-major, scale
   ``[M, ceil(K/128)]`` (activations and output gradients of the forward and input gradient);
 - ``quantize_128x128``: a weight ``b [G, K, N]`` (any strides) -> 128x128 blocks, scale

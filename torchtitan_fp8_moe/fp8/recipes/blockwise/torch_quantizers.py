@@ -15,8 +15,8 @@ Nothing reads the group offsets on the host, so these trace under torch.compile(
 import torch
 import torch.nn.functional as F
 
-from .gemm import token_groups
-from .quantize import amax_along, rounded, scales_from_amax, to_fp8
+from ...gemm import token_groups
+from ...quantize import amax_along, rounded, scales_from_amax, to_fp8
 
 BLOCK = 128
 
@@ -46,46 +46,6 @@ def expand_blocks(scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     element ``[G, rows, cols]``."""
     per_row = scales[..., _block_of(rows, scales.device), :]
     return per_row[..., _block_of(cols, scales.device)]
-
-
-def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[M, C]`` -> fp8 ``[M, C]``, scales ``[M, ceil(C / 128)]`` (1 x 128 tiles)."""
-    tokens, size = x.shape
-    tiles = _padded_to_blocks(x, -1).view(tokens, -1, BLOCK)
-    scales = scales_from_amax(amax_along(tiles, dim=-1))
-    return to_fp8(x, expand_tiles(scales, size)), scales
-
-
-def tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` of tokens another GEMM multiplies too (``triton_quantize.tokens``)."""
-    return rows(x)
-
-
-def weight(
-    b: torch.Tensor, round_to: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[G, K, N]`` -> fp8 ``[G, K, N]``, scales ``[G, ceil(K / 128), ceil(N / 128)]``, and the
-    scales again: what ``weight_transposed`` casts the transposed blocks by; of
-    ``b.to(round_to)``'s values (``quantize.rounded``)."""
-    b = rounded(b, round_to)
-    groups, k, n = b.shape
-    blocks = _padded_to_blocks(b.detach(), -2, -1)
-    blocks = blocks.view(groups, blocks.shape[1] // BLOCK, BLOCK, blocks.shape[2] // BLOCK, BLOCK)
-    amax = blocks.abs().amax(dim=(2, 4)).float()  # NaN propagates, as in amax_along
-    scales = scales_from_amax(amax)
-    return to_fp8(b, expand_blocks(scales, k, n)), scales, scales
-
-
-def weight_transposed(
-    b: torch.Tensor, scales: torch.Tensor, round_to: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``b [G, K, N]`` and its block scales -> fp8 of ``b^T [G, N, K]`` with scales
-    ``[G, ceil(N / 128), ceil(K / 128)]``: the forward's fp8 blocks transposed, bit for bit
-    (each element is cast with the same multiplier)."""
-    scales_t = scales.transpose(-2, -1)
-    b = rounded(b, round_to)
-    _, k, n = b.shape
-    return to_fp8(b.transpose(-2, -1), expand_blocks(scales_t, n, k)), scales_t
 
 
 def token_blocks(offs: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
@@ -121,15 +81,59 @@ def _per_token_block(x: torch.Tensor, blocks: torch.Tensor, slots: int):
     return to_fp8(x, per_block_token_scales(scales, blocks)), scales
 
 
-def per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
-    """128 x 1 tiles over each group's tokens for the weight-gradient GEMM: ``(a_fp8,
-    a_scales [slots, K], grad_fp8, grad_scales [slots, N])`` (``token_blocks`` numbers the
-    slots). Rows of no group quantize to zero."""
-    blocks, slots = token_blocks(offs, a.shape[0])
-    return (*_per_token_block(a, blocks, slots), *_per_token_block(grad, blocks, slots))
+class BlockwiseTorchQuantizers:
+    """``interface.Quantizers``: 1 x 128 activation tiles, 128 x 128 weight blocks, 128 x 1
+    tiles of each group's tokens."""
+
+    def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[M, C]`` -> fp8 ``[M, C]``, scales ``[M, ceil(C / 128)]`` (1 x 128 tiles)."""
+        tokens, size = x.shape
+        tiles = _padded_to_blocks(x, -1).view(tokens, -1, BLOCK)
+        scales = scales_from_amax(amax_along(tiles, dim=-1))
+        return to_fp8(x, expand_tiles(scales, size)), scales
+
+    def tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` of tokens another GEMM multiplies too (``RowwiseTritonQuantizers.tokens``)."""
+        return self.rows(x)
+
+    def weight(
+        self, b: torch.Tensor, round_to: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[G, K, N]`` -> fp8 ``[G, K, N]``, scales ``[G, ceil(K / 128), ceil(N / 128)]``, and the
+        scales again: what ``weight_transposed`` casts the transposed blocks by; of
+        ``b.to(round_to)``'s values (``quantize.rounded``)."""
+        b = rounded(b, round_to)
+        groups, k, n = b.shape
+        blocks = _padded_to_blocks(b.detach(), -2, -1)
+        blocks = blocks.view(
+            groups, blocks.shape[1] // BLOCK, BLOCK, blocks.shape[2] // BLOCK, BLOCK
+        )
+        amax = blocks.abs().amax(dim=(2, 4)).float()  # NaN propagates, as in amax_along
+        scales = scales_from_amax(amax)
+        return to_fp8(b, expand_blocks(scales, k, n)), scales, scales
+
+    def weight_transposed(
+        self, b: torch.Tensor, scales: torch.Tensor, round_to: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``b [G, K, N]`` and its block scales -> fp8 of ``b^T [G, N, K]`` with scales
+        ``[G, ceil(N / 128), ceil(K / 128)]``: the forward's fp8 blocks transposed, bit for bit
+        (each element is cast with the same multiplier)."""
+        scales_t = scales.transpose(-2, -1)
+        b = rounded(b, round_to)
+        _, k, n = b.shape
+        return to_fp8(b.transpose(-2, -1), expand_blocks(scales_t, n, k)), scales_t
+
+    def per_group_pair(self, a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
+        """128 x 1 tiles over each group's tokens for the weight-gradient GEMM: ``(a_fp8,
+        a_scales [slots, K], grad_fp8, grad_scales [slots, N])`` (``token_blocks`` numbers the
+        slots). Rows of no group quantize to zero."""
+        blocks, slots = token_blocks(offs, a.shape[0])
+        return (*_per_token_block(a, blocks, slots), *_per_token_block(grad, blocks, slots))
+
+    def tokens_per_group_pair(self, a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
+        """``per_group_pair`` of tokens another weight gradient casts too
+        (``RowwiseTritonQuantizers.tokens_per_group_pair``)."""
+        return self.per_group_pair(a, grad, offs)
 
 
-def tokens_per_group_pair(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor):
-    """``per_group_pair`` of tokens another weight gradient casts too
-    (``triton_quantize.tokens_per_group_pair``)."""
-    return per_group_pair(a, grad, offs)
+TORCH_QUANTIZERS = BlockwiseTorchQuantizers()
