@@ -45,8 +45,10 @@ class Float8MoESettings:
     shape is logged, the shard plan names each weight's choice); torch's kernels alone where no
     other backend is installed. "torch": torch's `_scaled_grouped_mm` / `_scaled_mm`. "fbgemm":
     fbgemm-gpu-genai's CUTLASS kernels (`pip install fbgemm-gpu-genai==1.6.0` for torch 2.11,
-    1.8.0 for torch 2.13), torch's for the grouped weight gradient, which fbgemm lacks; an error
-    where it is not installed. Rowwise recipe only (blockwise: "auto" or "torch")."""
+    1.8.0 for torch 2.13), torch's for the grouped weight gradient, which fbgemm lacks; rowwise
+    recipe only. "deepgemm": DeepGEMM's sm90 kernels (`deepinfer-gemm`, built against the running
+    torch, docs/gemm_backends.md); blockwise recipe only. A named backend that is not installed
+    is an error naming its install."""
 
     emulate: bool = False
     """Run fp8 numerics with an emulated matmul (quantize, dequantize, fp32 matmul) instead of
