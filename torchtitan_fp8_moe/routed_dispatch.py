@@ -11,13 +11,13 @@ commute with row gathers, so here:
   appended zero row for padding); one gather builds the experts' input;
 - the tokens are cast once, and the same index gathers their fp8 rows and scales, which w1's
   and w3's forward GEMMs take instead of casting the gathered rows (``cast_reuse``); the same
-  rows are cast by the same rule, so the forward is bit-identical to torchtitan's;
+  rows are cast by the same rule, so the experts' outputs are bit-identical to torchtitan's;
 - one index, ``combine_positions``, maps each (token, k) to its row of the experts' output; one
   gather puts the outputs in token order for the top-k combine;
 - on CUDA the combine (gather, fp32 weighting by the scores, sum over top_k) is one pass, and
   so is its backward; the dispatch gather's backward sums each token's top_k rows, found by
   ``combine_positions``, instead of autograd's sort-based accumulation into the gathered rows
-  (``routed_kernels.py``). Elsewhere torch's ops do the same.
+  (``routed_kernels.py``). Elsewhere torch's ops do the same, torchtitan's combine bit for bit.
 Installed by ``convert`` on each torchtitan 0.2.2 ``MoE`` whose routed experts ``fqns`` selects
 (also where the policy keeps their weights bf16: the gathers gain as much) and that scores
 after the experts (DeepSeek-V3, Qwen3; Llama4 scores the routed copies before the
