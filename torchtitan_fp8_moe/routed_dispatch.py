@@ -31,7 +31,6 @@ import types
 import torch
 import torch.nn as nn
 
-from . import routed_kernels
 from .fp8 import cast_reuse
 from .weight import Float8MoEWeight
 
@@ -89,6 +88,8 @@ class _RoutedRows(torch.autograd.Function):
     def backward(ctx, grad):
         (positions,) = ctx.saved_tensors
         if grad.is_cuda:
+            from . import routed_kernels  # Triton: CUDA only
+
             return routed_kernels.token_sum(grad.contiguous(), positions), None, None, None
         per_token = grad[positions].sum(1, dtype=torch.float32).to(grad.dtype)
         return per_token, None, None, None
@@ -103,6 +104,8 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, rows, positions, scores, owner):
         ctx.save_for_backward(rows, positions, scores, owner)
         if rows.is_cuda:
+            from . import routed_kernels
+
             return routed_kernels.combine(rows, positions, scores)
         weighted = torch.bmm(scores.unsqueeze(1), rows[positions].float())
         return weighted.squeeze(1).to(rows.dtype)
@@ -111,6 +114,8 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad):
         rows, positions, scores, owner = ctx.saved_tensors
         if rows.is_cuda:
+            from . import routed_kernels
+
             grad_rows, grad_scores = routed_kernels.combine_backward(
                 grad, rows, positions, scores, owner
             )
